@@ -1,0 +1,175 @@
+"""A single-node Apache Kafka broker in KRaft mode, run from Maven Central jars."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from devstack.procs import StackError, pid_alive, port_open, terminate, wait_until
+
+START_TIMEOUT = 90.0
+HEAP = "-Xmx768m"
+
+LOG4J2_CONFIG = """\
+status = warn
+appender.console.type = Console
+appender.console.name = STDOUT
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = {level}
+rootLogger.appenderRef.stdout.ref = STDOUT
+logger.kafka.name = kafka
+logger.kafka.level = {level}
+logger.state.name = state.change.logger
+logger.state.level = warn
+"""
+
+
+@dataclass
+class KafkaBroker:
+    """One combined broker+controller; ``root`` holds its config, data and log."""
+
+    root: Path
+    jars: list[Path]
+    port: int
+    controller_port: int
+    extra_config: dict[str, str] = field(default_factory=dict)
+    # Kept so this process can reap the broker it started (and Python does not warn about it).
+    _process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "server.log"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "broker.pid"
+
+    @property
+    def pid(self) -> int | None:
+        """The broker's process id, kept in a file so that a killed caller leaves a trace."""
+        try:
+            return int(self.pid_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        return pid_alive(self.pid)
+
+    def start(self) -> None:
+        """Format the storage on first use, start the broker and wait until it serves metadata."""
+        if self.running():
+            return
+        java = shutil.which("java")
+        if java is None:
+            raise StackError("Java is not on PATH: install a JDK 17 (Debian: openjdk-17-jre-headless)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        config = self.root / "server.properties"
+        config.write_text(self._server_properties())
+        (self.root / "log4j2.properties").write_text(LOG4J2_CONFIG.format(level="INFO"))
+        if not (self.data_dir / "meta.properties").exists():
+            self._format(java, config)
+        with self.log_file.open("ab") as log:
+            process = subprocess.Popen(
+                [
+                    java, HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+                    f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
+                    "-cp", self._classpath(), "kafka.Kafka", str(config),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in the caller's terminal must not reach it
+            )
+        self._process = process
+        self.pid_file.write_text(str(process.pid))
+        try:
+            wait_until(self._ready, START_TIMEOUT, f"Kafka on {self.bootstrap_servers}")
+        except StackError as exc:
+            self.stop()
+            raise StackError(f"{exc}; broker log: {self.log_file}") from exc
+
+    def stop(self) -> None:
+        pid = self.pid
+        if pid is not None:
+            terminate(pid, grace=30.0)
+        if self._process is not None:
+            self._process.wait(timeout=10)
+            self._process = None
+        self.pid_file.unlink(missing_ok=True)
+
+    def _ready(self) -> bool:
+        if not self.running():
+            raise StackError(f"Kafka exited during start-up; see {self.log_file}")
+        if not port_open(self.port):
+            return False
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        try:
+            metadata = admin.list_topics(timeout=2)
+        except Exception:
+            return False
+        return bool(metadata.brokers)
+
+    def _classpath(self) -> str:
+        if not self.jars:
+            raise StackError("no Kafka jars: run `outbox dev prepare`")
+        return ":".join(str(jar) for jar in self.jars)
+
+    def _format(self, java: str, config: Path) -> None:
+        if self.data_dir.exists():
+            shutil.rmtree(self.data_dir)  # storage from an interrupted format
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        result = subprocess.run(
+            [
+                java, "-cp", self._classpath(),
+                f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
+                "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise StackError(f"formatting Kafka storage failed: {result.stdout}{result.stderr}")
+
+    def _server_properties(self) -> str:
+        settings = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
+            "listeners": (
+                f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}"
+            ),
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "controller.listener.names": "CONTROLLER",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "log.dirs": str(self.data_dir),
+            "auto.create.topics.enable": "false",
+            "num.partitions": "1",
+            # One node: every internal topic has a single replica.
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "8",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "8",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            **self.extra_config,
+        }
+        return "".join(f"{key}={value}\n" for key, value in settings.items())

@@ -1,0 +1,209 @@
+"""The local stack as one unit: prepare, up, down, status; state kept in a JSON file.
+
+Layout under the stack home (``OUTBOX_STACK_HOME``, default ``<repo>/.stack``)::
+
+    jars/kafka/   broker jars, resolved once from Maven Central
+    jars/spark/   Spark's Kafka source and the PostgreSQL JDBC driver
+    run/<name>/   one stack's servers: state.json, postgres/, kafka/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from devstack.kafka import KafkaBroker
+from devstack.maven import resolve_jars
+from devstack.postgres import PostgresServer, data_root_for, server_bindir
+from devstack.procs import StackError, free_port, pid_alive, port_open
+
+DEMO_DATABASE = "outbox"
+
+
+def stack_home() -> Path:
+    override = os.environ.get("OUTBOX_STACK_HOME")
+    if override:
+        return Path(override).resolve()
+    return Path(__file__).resolve().parent.parent / ".stack"
+
+
+def kafka_jars() -> list[Path]:
+    return resolve_jars("kafka", stack_home() / "jars" / "kafka")
+
+
+def spark_jars() -> list[Path]:
+    """Jars to put on Spark's classpath (``spark.jars``) for the Kafka source and JDBC."""
+    return resolve_jars("spark", stack_home() / "jars" / "spark")
+
+
+def prepare() -> None:
+    """Install or resolve everything the servers need; safe to run again."""
+    server_bindir()
+    kafka_jars()
+    spark_jars()
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    """How to reach a running stack."""
+
+    database_url: str
+    bootstrap_servers: str
+    spark_jars: tuple[str, ...]
+
+    def as_env(self) -> dict[str, str]:
+        return {
+            "OUTBOX_DATABASE_URL": self.database_url,
+            "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers,
+            "OUTBOX_SPARK_JARS": ",".join(self.spark_jars),
+        }
+
+
+class LocalStack:
+    """PostgreSQL + Kafka servers owned by one run folder.
+
+    ``up`` is idempotent: servers already running are kept, dead ones are restarted on the
+    ports recorded in ``state.json`` (new free ports when those are taken).
+    """
+
+    def __init__(self, run_dir: Path, *, durable: bool = True) -> None:
+        self.run_dir = run_dir
+        self.state_file = run_dir / "state.json"
+        self.durable = durable
+        state = self._load_state()
+        pg_state = state.get("postgres", {})
+        kafka_state = state.get("kafka", {})
+        self.postgres = PostgresServer(
+            root=Path(pg_state.get("root") or data_root_for(run_dir)),
+            port=int(pg_state.get("port") or 0),
+            password=pg_state.get("password") or secrets.token_urlsafe(18),
+            durable=durable,
+        )
+        self.kafka = KafkaBroker(
+            root=run_dir / "kafka",
+            jars=[],
+            port=int(kafka_state.get("port") or 0),
+            controller_port=int(kafka_state.get("controller_port") or 0),
+        )
+
+    @classmethod
+    def named(cls, name: str, *, durable: bool = True) -> LocalStack:
+        return cls(stack_home() / "run" / name, durable=durable)
+
+    def up(self, database: str | None = DEMO_DATABASE) -> StackInfo:
+        """Start whatever is not running; create ``database`` when missing."""
+        started = time.monotonic()
+        self.up_postgres()
+        self.up_kafka()
+        self._save_state(started_in=round(time.monotonic() - started, 1))
+        if database:
+            self.ensure_database(database)
+        return self.info(database or "postgres")
+
+    def up_postgres(self) -> PostgresServer:
+        if not self.postgres.running():
+            self.postgres.port = _usable_port(self.postgres.port)
+            self._save_state()
+            self.postgres.start()
+        return self.postgres
+
+    def up_kafka(self) -> KafkaBroker:
+        if not self.kafka.running():
+            self.kafka.jars = kafka_jars()
+            self.kafka.port = _usable_port(self.kafka.port)
+            self.kafka.controller_port = _usable_port(
+                self.kafka.controller_port, avoid=self.kafka.port
+            )
+            self._save_state()
+            self.kafka.start()
+        return self.kafka
+
+    def down(self) -> None:
+        """Stop both servers and forget their data."""
+        errors: list[str] = []
+        for server in (self.kafka, self.postgres):
+            try:
+                server.stop()
+            except StackError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise StackError("; ".join(errors))
+        shutil.rmtree(self.postgres.root, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def info(self, database: str = DEMO_DATABASE) -> StackInfo:
+        return StackInfo(
+            database_url=self.postgres.url(database),
+            bootstrap_servers=self.kafka.bootstrap_servers,
+            spark_jars=tuple(str(jar) for jar in spark_jars()),
+        )
+
+    def status(self) -> dict[str, bool]:
+        return {"postgres": self.postgres.running(), "kafka": self.kafka.running()}
+
+    def ensure_database(self, name: str) -> None:
+        import psycopg
+
+        with psycopg.connect(self.postgres.conninfo(), autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if not exists:
+            self.postgres.create_database(name)
+
+    def _load_state(self) -> dict[str, dict[str, object]]:
+        try:
+            loaded = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+    def _save_state(self, **extra: object) -> None:
+        state = {
+            "owner_pid": os.getpid(),
+            "postgres": {
+                "root": str(self.postgres.root),
+                "port": self.postgres.port,
+                "password": self.postgres.password,
+            },
+            "kafka": {
+                "port": self.kafka.port,
+                "controller_port": self.kafka.controller_port,
+            },
+            **extra,
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.chmod(0o600)  # holds the cluster's password
+        tmp.replace(self.state_file)
+
+
+def _usable_port(recorded: int, avoid: int = 0) -> int:
+    if recorded and recorded != avoid and not port_open(recorded):
+        return recorded
+    while True:
+        port = free_port()
+        if port != avoid:
+            return port
+
+
+def sweep_stale_runs(prefix: str) -> list[str]:
+    """Stop and remove ``run/<prefix>*`` stacks whose owning process is gone.
+
+    A test session killed with -9 leaves its servers running; the next session cleans up.
+    """
+    removed = []
+    for run_dir in sorted((stack_home() / "run").glob(f"{prefix}*")):
+        try:
+            owner = json.loads((run_dir / "state.json").read_text()).get("owner_pid")
+        except (OSError, ValueError):
+            owner = None
+        if pid_alive(owner) and owner != os.getpid():
+            continue
+        LocalStack(run_dir).down()
+        removed.append(run_dir.name)
+    return removed

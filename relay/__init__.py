@@ -1,0 +1,1 @@
+"""The relay daemon: publishes pending outbox rows to Kafka and marks them sent."""

@@ -1,0 +1,1 @@
+"""PySpark jobs that audit the outbox against what landed in Kafka."""

@@ -1,0 +1,104 @@
+"""Session-wide local stack (real PostgreSQL, Kafka, Spark) and per-test isolation.
+
+The stack is started once per test session in its own run folder and stopped at the end.
+Each test gets a database of its own and topics with unique names. With CI=true a server that
+cannot start fails the tests that need it; elsewhere those tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from devstack import LocalStack, StackError
+from devstack.kafka import KafkaBroker
+from devstack.postgres import PostgresServer
+from devstack.stack import spark_jars, sweep_stale_runs
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def server_unavailable(what: str, error: BaseException) -> None:
+    message = f"{what} is unavailable: {error}"
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def local_stack() -> Iterator[LocalStack]:
+    sweep_stale_runs("pytest-")
+    stack = LocalStack.named(f"pytest-{os.getpid()}", durable=False)
+    yield stack
+    stack.down()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(local_stack: LocalStack) -> PostgresServer:
+    try:
+        return local_stack.up_postgres()
+    except StackError as exc:
+        server_unavailable("PostgreSQL", exc)
+        raise
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(local_stack: LocalStack) -> KafkaBroker:
+    try:
+        return local_stack.up_kafka()
+    except StackError as exc:
+        server_unavailable("Kafka", exc)
+        raise
+
+
+@pytest.fixture
+def database_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh, empty database for one test (SQLAlchemy URL, psycopg 3 driver)."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    url = postgres_server.create_database(name)
+    yield url
+    postgres_server.drop_database(name)
+
+
+@pytest.fixture
+def bootstrap_servers(kafka_broker: KafkaBroker) -> str:
+    return kafka_broker.bootstrap_servers
+
+
+@pytest.fixture
+def make_topic(bootstrap_servers: str) -> Iterator[Callable[..., str]]:
+    """Create topics with unique names for one test; they are deleted afterwards."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    created: list[str] = []
+
+    def make(prefix: str = "t", partitions: int = 1) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        futures = admin.create_topics([NewTopic(name, partitions, 1)], operation_timeout=30)
+        futures[name].result(timeout=30)
+        created.append(name)
+        return name
+
+    yield make
+    if created:
+        for future in admin.delete_topics(created, operation_timeout=30).values():
+            future.result(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def spark():  # type: ignore[no-untyped-def]
+    try:
+        from spark_jobs.session import build_session
+
+        jars = [str(jar) for jar in spark_jars()]
+        session = build_session("outbox-tests", master="local[2]", jars=jars, shuffle_partitions=2)
+    except Exception as exc:  # a missing JVM or pyspark surfaces as many types
+        server_unavailable("Spark", exc)
+        raise
+    session.sparkContext.setLogLevel("WARN")
+    yield session
+    session.stop()
