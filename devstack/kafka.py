@@ -74,7 +74,9 @@ class KafkaBroker:
             return
         java = shutil.which("java")
         if java is None:
-            raise StackError("Java is not on PATH: install a JDK 17 (Debian: openjdk-17-jre-headless)")
+            raise StackError(
+                "Java is not on PATH: install JDK 17 (Debian: openjdk-17-jre-headless)"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         config = self.root / "server.properties"
         config.write_text(self._server_properties())
@@ -84,9 +86,15 @@ class KafkaBroker:
         with self.log_file.open("ab") as log:
             process = subprocess.Popen(
                 [
-                    java, HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+                    java,
+                    HEAP,
+                    "-XX:+UseG1GC",
+                    "-Djava.awt.headless=true",
                     f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
-                    "-cp", self._classpath(), "kafka.Kafka", str(config),
+                    "-cp",
+                    self._classpath(),
+                    "kafka.Kafka",
+                    str(config),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -135,9 +143,16 @@ class KafkaBroker:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         result = subprocess.run(
             [
-                java, "-cp", self._classpath(),
+                java,
+                "-cp",
+                self._classpath(),
                 f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
-                "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config),
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                cluster_id,
+                "-c",
+                str(config),
             ],
             capture_output=True,
             text=True,

@@ -31,8 +31,15 @@ def resolve_jars(component: str, jars_dir: Path) -> list[Path]:
     jars_dir.mkdir(parents=True)
     result = subprocess.run(
         [
-            "mvn", "-q", "-B", "-s", str(SETTINGS), "-f", str(pom),
-            "dependency:copy-dependencies", "-DincludeScope=runtime",
+            "mvn",
+            "-q",
+            "-B",
+            "-s",
+            str(SETTINGS),
+            "-f",
+            str(pom),
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
             f"-DoutputDirectory={jars_dir}",
         ],
         capture_output=True,

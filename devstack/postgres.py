@@ -28,7 +28,7 @@ SUPERUSER = "postgres"
 
 
 def server_bindir() -> Path:
-    """The newest installed PostgreSQL server's bin folder, installing Debian's package if absent."""
+    """The newest PostgreSQL server's bin folder; installs Debian's package when there is none."""
     override = os.environ.get("OUTBOX_PG_BINDIR")
     if override:
         return Path(override)
@@ -154,8 +154,17 @@ class PostgresServer:
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories=''"
         result = run_as_postgres(
             [
-                str(bindir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_file),
-                "-w", "-t", "60", "-o", options, "start",
+                str(bindir / "pg_ctl"),
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.log_file),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                options,
+                "start",
             ],
             start_new_session=True,
         )
@@ -218,9 +227,18 @@ class PostgresServer:
         try:
             result = run_as_postgres(
                 [
-                    str(bindir / "initdb"), "-D", str(self.data_dir), "-U", SUPERUSER,
-                    "--auth-host=scram-sha-256", "--auth-local=peer",
-                    f"--pwfile={password_file}", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync",
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "-U",
+                    SUPERUSER,
+                    "--auth-host=scram-sha-256",
+                    "--auth-local=peer",
+                    f"--pwfile={password_file}",
+                    "-E",
+                    "UTF8",
+                    "--locale=C.UTF-8",
+                    "--no-sync",
                 ]
             )
         finally:
@@ -238,6 +256,7 @@ class PostgresServer:
             "log_min_messages = warning",
         ]
         if not self.durable:
-            # Throwaway test clusters trade crash safety for speed.
-            lines += ["fsync = off", "synchronous_commit = off", "full_page_writes = off"]
+            # Throwaway test clusters skip fsync: safe when a server process is killed (the OS
+            # still holds the writes), unsafe only when the machine itself crashes.
+            lines += ["fsync = off", "full_page_writes = off"]
         return "\n" + "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from devstack.kafka import KafkaBroker
 from devstack.maven import resolve_jars
@@ -150,11 +151,12 @@ class LocalStack:
         import psycopg
 
         with psycopg.connect(self.postgres.conninfo(), autocommit=True) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            query = "SELECT 1 FROM pg_database WHERE datname = %s"
+            exists = conn.execute(query, (name,)).fetchone()
         if not exists:
             self.postgres.create_database(name)
 
-    def _load_state(self) -> dict[str, dict[str, object]]:
+    def _load_state(self) -> dict[str, Any]:
         try:
             loaded = json.loads(self.state_file.read_text())
         except (OSError, ValueError):
@@ -191,13 +193,13 @@ def _usable_port(recorded: int, avoid: int = 0) -> int:
             return port
 
 
-def sweep_stale_runs(prefix: str) -> list[str]:
+def sweep_stale_runs(prefix: str, runs_dir: Path | None = None) -> list[str]:
     """Stop and remove ``run/<prefix>*`` stacks whose owning process is gone.
 
     A test session killed with -9 leaves its servers running; the next session cleans up.
     """
     removed = []
-    for run_dir in sorted((stack_home() / "run").glob(f"{prefix}*")):
+    for run_dir in sorted((runs_dir or stack_home() / "run").glob(f"{prefix}*")):
         try:
             owner = json.loads((run_dir / "state.json").read_text()).get("owner_pid")
         except (OSError, ValueError):

@@ -1,3 +1,126 @@
-"""Transactional outbox for Python services on PostgreSQL and Kafka."""
+"""Transactional outbox for Python services on PostgreSQL and Kafka.
+
+Business rows and outbox rows commit in one PostgreSQL transaction; the relay publishes the
+rows to Kafka. The usual entry points::
+
+    import outbox
+
+    ob = outbox.Outbox("postgresql+psycopg://app:pw@db/shop")
+    with ob.transaction() as tx:
+        tx.session.add(order)
+        tx.publish("orders", {"id": order.id, "total": order.total}, key=order.id)
+
+    # or inside a transaction you already have (Session or Connection, sync or async):
+    outbox.publish(session, "orders", {"id": 7}, key=7)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+from outbox.errors import (
+    ConfigError,
+    InvalidHeaders,
+    InvalidKey,
+    InvalidMessage,
+    InvalidTopic,
+    NotInTransaction,
+    OutboxError,
+    OutboxTableMissing,
+    PayloadTooLarge,
+    PermissionDenied,
+    SerializationError,
+)
+from outbox.immediate import ImmediateSender
+from outbox.message import ID_HEADER, Message, PublishResult
+from outbox.publisher import AsyncOutboxTransaction, Outbox, OutboxTransaction
+from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ID_HEADER",
+    "AsyncOutboxTransaction",
+    "BytesSerializer",
+    "ConfigError",
+    "ImmediateSender",
+    "InvalidHeaders",
+    "InvalidKey",
+    "InvalidMessage",
+    "InvalidTopic",
+    "JsonSerializer",
+    "Message",
+    "NotInTransaction",
+    "Outbox",
+    "OutboxError",
+    "OutboxTableMissing",
+    "OutboxTransaction",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "PublishResult",
+    "SerializationError",
+    "Serializer",
+    "apublish",
+    "apublish_many",
+    "atransaction",
+    "configure",
+    "publish",
+    "publish_many",
+    "transaction",
+]
+
+_default: Outbox | None = None
+
+
+def configure(*args: Any, **kwargs: Any) -> Outbox:
+    """Set up the module-level outbox used by :func:`publish`, :func:`transaction` & co.
+
+    Takes the same arguments as :class:`Outbox`; without a call, the defaults apply and
+    :func:`transaction` reads ``OUTBOX_DATABASE_URL``.
+    """
+    global _default
+    _default = Outbox(*args, **kwargs)
+    return _default
+
+
+def _outbox() -> Outbox:
+    global _default
+    if _default is None:
+        _default = Outbox()
+    return _default
+
+
+def publish(bind: Any, topic: str, value: Any = None, **options: Any) -> PublishResult:
+    """:meth:`Outbox.publish` on the module-level outbox."""
+    return _outbox().publish(bind, topic, value, **options)
+
+
+def publish_many(bind: Any, messages: Iterable[Message]) -> list[PublishResult]:
+    """:meth:`Outbox.publish_many` on the module-level outbox."""
+    return _outbox().publish_many(bind, messages)
+
+
+async def apublish(bind: Any, topic: str, value: Any = None, **options: Any) -> PublishResult:
+    """:meth:`Outbox.apublish` on the module-level outbox."""
+    return await _outbox().apublish(bind, topic, value, **options)
+
+
+async def apublish_many(bind: Any, messages: Iterable[Message]) -> list[PublishResult]:
+    """:meth:`Outbox.apublish_many` on the module-level outbox."""
+    return await _outbox().apublish_many(bind, messages)
+
+
+@contextmanager
+def transaction() -> Iterator[OutboxTransaction]:
+    """:meth:`Outbox.transaction` on the module-level outbox."""
+    with _outbox().transaction() as tx:
+        yield tx
+
+
+@asynccontextmanager
+async def atransaction() -> AsyncIterator[AsyncOutboxTransaction]:
+    """:meth:`Outbox.atransaction` on the module-level outbox."""
+    async with _outbox().atransaction() as tx:
+        yield tx

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import sqlalchemy as sa
 
 from devstack import LocalStack, StackError
 from devstack.kafka import KafkaBroker
@@ -61,6 +62,33 @@ def database_url(postgres_server: PostgresServer) -> Iterator[str]:
     url = postgres_server.create_database(name)
     yield url
     postgres_server.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def outbox_template(postgres_server: PostgresServer) -> str:
+    """A database migrated to head once per session; tests clone it."""
+    from outbox import migrate
+
+    name = "outbox_template"
+    postgres_server.drop_database(name)
+    migrate.upgrade(postgres_server.create_database(name))
+    return name
+
+
+@pytest.fixture
+def outbox_url(postgres_server: PostgresServer, outbox_template: str) -> Iterator[str]:
+    """A fresh database with the outbox table (public.outbox) for one test."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    url = postgres_server.create_database(name, template=outbox_template)
+    yield url
+    postgres_server.drop_database(name)
+
+
+@pytest.fixture
+def engine(outbox_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(outbox_url)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture

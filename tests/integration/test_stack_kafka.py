@@ -92,13 +92,13 @@ def test_read_committed_consumer_never_sees_aborted_records(
     assert [value for _, value in committed] == [b"committed"]
     # The aborted records really reached the log; only the isolation level hides them.
     assert sorted(value for _, value in everything if value) == [
-        b"aborted-1", b"aborted-2", b"committed"
+        b"aborted-1",
+        b"aborted-2",
+        b"committed",
     ]
 
 
-def test_new_transactional_producer_fences_the_old_one(
-    bootstrap_servers: str, make_topic
-) -> None:  # type: ignore[no-untyped-def]
+def test_new_transactional_producer_fences_the_old_one(bootstrap_servers: str, make_topic) -> None:  # type: ignore[no-untyped-def]
     topic = make_topic("fence")
     transactional_id = f"smoke-{uuid.uuid4().hex}"
     config = {"bootstrap.servers": bootstrap_servers, "transactional.id": transactional_id}
@@ -122,9 +122,7 @@ def test_new_transactional_producer_fences_the_old_one(
 
 
 def test_topic_auto_creation_is_off(bootstrap_servers: str) -> None:
-    producer = Producer(
-        {"bootstrap.servers": bootstrap_servers, "message.timeout.ms": 3000}
-    )
+    producer = Producer({"bootstrap.servers": bootstrap_servers, "message.timeout.ms": 3000})
     errors: list[KafkaError] = []
     producer.produce(
         f"never-created-{uuid.uuid4().hex}",
@@ -133,4 +131,8 @@ def test_topic_auto_creation_is_off(bootstrap_servers: str) -> None:
     )
     producer.flush(10)
     assert len(errors) == 1
-    assert errors[0].code() in {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._MSG_TIMED_OUT}
+    assert errors[0].code() in {
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._MSG_TIMED_OUT,
+    }

@@ -19,8 +19,12 @@ def test_spark_reads_a_kafka_topic_in_batch_read_committed(
     producer.init_transactions(30)
     producer.begin_transaction()
     for i in range(10):
-        producer.produce(topic, key=f"k{i % 3}".encode(), value=f"v{i}".encode(),
-                         headers=[("outbox-id", f"id-{i}".encode())])
+        producer.produce(
+            topic,
+            key=f"k{i % 3}".encode(),
+            value=f"v{i}".encode(),
+            headers=[("outbox-id", f"id-{i}".encode())],
+        )
     producer.commit_transaction(30)
     producer.begin_transaction()
     producer.produce(topic, key=b"k0", value=b"aborted")

@@ -1,0 +1,51 @@
+# Every target does its own set-up: a virtualenv in .venv with the project installed
+# (re-installed when pyproject.toml changes), Debian's PostgreSQL and the Kafka/Spark jars.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: help setup demo test lint typecheck pytest up down status clean
+
+help:
+	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
+	@echo "make test   lint, type-check and run every test against the real servers"
+	@echo "make up / make down / make status   the long-running local stack ('dev')"
+
+$(INSTALLED): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,spark]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+setup: $(INSTALLED)
+	$(BIN)/outbox dev prepare
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup lint typecheck pytest
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(INSTALLED)
+	$(BIN)/mypy
+
+pytest: $(INSTALLED)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+up: setup
+	$(BIN)/outbox dev up
+
+down: $(INSTALLED)
+	$(BIN)/outbox dev down
+
+status: $(INSTALLED)
+	$(BIN)/outbox dev status
+
+clean: down
+	rm -rf .stack $(VENV)

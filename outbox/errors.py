@@ -1,0 +1,47 @@
+"""The library's errors: one base class, one subclass per thing a caller can get wrong."""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Base class of every error the outbox raises."""
+
+
+class ConfigError(OutboxError, ValueError):
+    """A setting is invalid (bad identifier, out-of-range size, unknown option)."""
+
+
+class InvalidMessage(OutboxError, ValueError):
+    """A message was refused before anything was written; the transaction is untouched."""
+
+
+class InvalidTopic(InvalidMessage):
+    """The topic name is not a legal Kafka topic name."""
+
+
+class InvalidKey(InvalidMessage):
+    """The key is not ``bytes``, ``str``, ``int``, ``uuid.UUID`` or ``None``."""
+
+
+class InvalidHeaders(InvalidMessage):
+    """Headers are not a mapping or sequence of ``(str, bytes | str | None)`` pairs."""
+
+
+class SerializationError(InvalidMessage):
+    """The serializer could not turn the value into bytes."""
+
+
+class PayloadTooLarge(InvalidMessage):
+    """The serialized message exceeds the configured maximum size."""
+
+
+class NotInTransaction(OutboxError):
+    """``publish`` was called on a session or connection with no transaction in progress."""
+
+
+class OutboxTableMissing(OutboxError):
+    """The outbox table does not exist: run ``outbox db upgrade`` (or your Alembic history)."""
+
+
+class PermissionDenied(OutboxError):
+    """The database role lacks a privilege the operation needs (the message names it)."""

@@ -1,0 +1,107 @@
+"""A message as the caller gives it, and as the outbox table stores it."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from uuid6 import uuid7
+
+from outbox.errors import InvalidMessage, PayloadTooLarge, SerializationError
+from outbox.schema import shard_of
+from outbox.serialization import Serializer
+from outbox.validation import (
+    HeadersLike,
+    KeyLike,
+    encode_headers,
+    encode_key,
+    validate_topic,
+)
+
+#: Kafka record header carrying the outbox message id (a UUID in text form).
+ID_HEADER = "outbox-id"
+#: Kafka record header carrying the serializer's content type, when it has one.
+CONTENT_TYPE_HEADER = "content-type"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message to publish; see :meth:`outbox.Outbox.publish` for the fields."""
+
+    topic: str
+    value: Any = None
+    key: KeyLike = None
+    headers: HeadersLike = None
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What ``publish`` did with one message.
+
+    ``duplicate`` is true when a message with the same idempotency key already existed; then
+    ``message_id`` is that earlier message's id and nothing new was written.
+    """
+
+    message_id: uuid.UUID
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class EncodedMessage:
+    """A validated message, ready to insert; ``row`` maps column names to values."""
+
+    id: uuid.UUID
+    row: dict[str, Any] = field(repr=False)
+    idempotency_key: str | None
+
+
+def encode_message(
+    message: Message, serializer: Serializer, max_message_bytes: int
+) -> EncodedMessage:
+    """Validate and serialize ``message``; raises an InvalidMessage subclass on bad input."""
+    topic = validate_topic(message.topic)
+    key = encode_key(message.key)
+    headers = encode_headers(message.headers)
+    if message.idempotency_key is not None and (
+        not isinstance(message.idempotency_key, str) or not message.idempotency_key
+    ):
+        raise InvalidMessage("idempotency_key must be a non-empty str or None")
+    try:
+        value = serializer.serialize(message.value)
+    except SerializationError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SerializationError(f"cannot serialize {type(message.value).__name__}: {exc}") from exc
+    if value is not None and not isinstance(value, bytes):
+        raise SerializationError(
+            f"serializer {type(serializer).__name__} returned {type(value).__name__}, not bytes"
+        )
+    if serializer.content_type and value is not None:
+        headers.append((CONTENT_TYPE_HEADER, serializer.content_type.encode()))
+    size = (
+        len(value or b"")
+        + len(key or b"")
+        + sum(len(name) + len(header or b"") for name, header in headers)
+    )
+    if size > max_message_bytes:
+        raise PayloadTooLarge(
+            f"message for topic {topic!r} is {size} bytes; the limit is {max_message_bytes} "
+            "(max_message_bytes, which must not exceed the topic's max.message.bytes)"
+        )
+    message_id = uuid7()
+    return EncodedMessage(
+        id=message_id,
+        idempotency_key=message.idempotency_key,
+        row={
+            "id": message_id,
+            "shard": shard_of(key, message_id.bytes),
+            "topic": topic,
+            "key": key,
+            "value": value,
+            "header_names": [name for name, _ in headers] or None,
+            "header_values": [header for _, header in headers] or None,
+            "idempotency_key": message.idempotency_key,
+        },
+    )

@@ -1,0 +1,61 @@
+"""Where the outbox migrations find their database and table names.
+
+The Alembic environment and every revision ask :func:`current_spec`, which looks, in order,
+at the Alembic config's attributes (set by ``outbox db ...``), ``-x outbox_schema=...`` /
+``-x outbox_table=...`` on the alembic command line, ``OUTBOX_SCHEMA`` / ``OUTBOX_TABLE``, and
+then the defaults (``public.outbox``). A service that includes these revisions in its own
+Alembic history gets the same behaviour without any change to its ``env.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+
+from alembic import context
+from alembic.config import Config
+
+from outbox.errors import ConfigError
+from outbox.schema import DEFAULT_SCHEMA, DEFAULT_TABLE, OutboxTableSpec
+
+SPEC_ATTRIBUTE = "outbox_spec"
+URL_ATTRIBUTE = "database_url"
+
+
+def migrations_dir() -> Path:
+    """The folder holding ``env.py`` and ``versions/`` (installed as ``outbox.migrations``)."""
+    return Path(str(resources.files("outbox.migrations")))
+
+
+def current_spec(config: Config | None = None) -> OutboxTableSpec:
+    config = config or context.config
+    spec = config.attributes.get(SPEC_ATTRIBUTE)
+    if isinstance(spec, OutboxTableSpec):
+        return spec
+    x_args = context.get_x_argument(as_dictionary=True)
+    schema = x_args.get("outbox_schema") or os.environ.get("OUTBOX_SCHEMA") or DEFAULT_SCHEMA
+    table = x_args.get("outbox_table") or os.environ.get("OUTBOX_TABLE") or DEFAULT_TABLE
+    return OutboxTableSpec(schema=schema, table=table)
+
+
+def current_url(config: Config | None = None) -> str:
+    config = config or context.config
+    url = (
+        config.attributes.get(URL_ATTRIBUTE)
+        or context.get_x_argument(as_dictionary=True).get("database_url")
+        or os.environ.get("OUTBOX_DATABASE_URL")
+        or config.get_main_option("sqlalchemy.url")
+    )
+    if not url:
+        raise ConfigError("no database URL: set OUTBOX_DATABASE_URL or pass --database-url")
+    return str(url)
+
+
+def alembic_config(database_url: str, spec: OutboxTableSpec | None = None) -> Config:
+    """An Alembic Config for the outbox's own history on ``database_url``."""
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.attributes[URL_ATTRIBUTE] = database_url
+    config.attributes[SPEC_ATTRIBUTE] = spec or OutboxTableSpec()
+    return config

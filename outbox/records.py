@@ -1,0 +1,77 @@
+"""From an outbox row to the Kafka record the relay and the immediate sender produce."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.message import ID_HEADER
+
+#: Producer settings the outbox always uses: idempotence makes retries duplicate-free and
+#: keeps each partition's records in order; acks=all waits for the in-sync replicas.
+SAFE_PRODUCER_DEFAULTS: dict[str, Any] = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "max.in.flight.requests.per.connection": 5,
+    "compression.type": "lz4",
+    "linger.ms": 5,
+}
+
+
+@dataclass(frozen=True)
+class OutboxRecord:
+    """A leased outbox row, as much of it as producing needs."""
+
+    id: uuid.UUID
+    seq: int
+    shard: int
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+
+    @property
+    def kafka_headers(self) -> list[tuple[str, str | bytes | None]]:
+        return list(self.headers)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> OutboxRecord:
+        """Build from a result row; raises ValueError for a row whose headers do not decode."""
+        names: Sequence[str] | None = row["header_names"]
+        values: Sequence[bytes | None] | None = row["header_values"]
+        if (names is None) != (values is None) or (names and len(names) != len(values or ())):
+            raise ValueError("header_names and header_values differ in length")
+        headers: list[tuple[str, bytes | None]] = [(ID_HEADER, str(row["id"]).encode())]
+        for name, value in zip(names or (), values or (), strict=True):
+            if not isinstance(name, str) or not (value is None or isinstance(value, bytes)):
+                raise ValueError(f"header {name!r} is not (str, bytes)")
+            headers.append((name, value))
+        return cls(
+            id=row["id"],
+            seq=row["seq"],
+            shard=row["shard"],
+            topic=row["topic"],
+            key=_as_bytes(row["key"]),
+            value=_as_bytes(row["value"]),
+            headers=headers,
+        )
+
+
+def _as_bytes(value: object) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, memoryview | bytearray):
+        return bytes(value)
+    raise ValueError(f"expected bytes, got {type(value).__name__}")
+
+
+def producer_config(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The safe defaults with the caller's settings on top (``bootstrap.servers`` at least)."""
+    config = {**SAFE_PRODUCER_DEFAULTS, **overrides}
+    if "bootstrap.servers" not in config:
+        from outbox.errors import ConfigError
+
+        raise ConfigError("the Kafka producer needs bootstrap.servers")
+    return config

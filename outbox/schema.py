@@ -1,0 +1,120 @@
+"""The outbox table, declared once for the API, the relay, the migrations and the tests."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+
+from outbox.validation import validate_identifier
+
+DEFAULT_TABLE = "outbox"
+DEFAULT_SCHEMA = "public"
+
+#: Messages are spread over this many shards by key; a relay instance owns a subset of them.
+#: Fixed for the life of a table: changing it would move keys between shards.
+SHARD_COUNT = 64
+
+#: Table names leave room for the suffixes of the indexes and functions derived from them.
+MAX_TABLE_NAME = 40
+
+PENDING, SENT, DEAD = "pending", "sent", "dead"
+STATUSES = (PENDING, SENT, DEAD)
+
+
+def shard_of(key: bytes | None, message_id: bytes) -> int:
+    """The shard of a message: by key, so one key's messages stay in one shard, in order."""
+    return zlib.crc32(key if key is not None else message_id) % SHARD_COUNT
+
+
+@dataclass(frozen=True)
+class OutboxTableSpec:
+    """Where the outbox table lives. Names are validated: they are spliced into SQL text."""
+
+    schema: str = DEFAULT_SCHEMA
+    table: str = DEFAULT_TABLE
+    metadata: sa.MetaData = field(default_factory=sa.MetaData, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.schema, "outbox schema")
+        validate_identifier(self.table, "outbox table")
+        if len(self.table) > MAX_TABLE_NAME:
+            from outbox.errors import ConfigError
+
+            raise ConfigError(f"outbox table name is limited to {MAX_TABLE_NAME} characters")
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema}.{self.table}"
+
+    @property
+    def notify_channel(self) -> str:
+        """The channel a commit-time NOTIFY wakes relays on (one per table)."""
+        return f"outbox_{self.schema}_{self.table}"
+
+    @property
+    def notify_function(self) -> str:
+        return f"{self.table}_notify"
+
+    @property
+    def version_table(self) -> str:
+        """Alembic's version table for the outbox's own migration history."""
+        return f"{self.table}_alembic_version"
+
+    @cached_property
+    def table_obj(self) -> sa.Table:
+        return build_table(self.metadata, self.table, self.schema)
+
+
+def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
+    """Declare the outbox table on ``metadata``."""
+    tz = sa.DateTime(timezone=True)
+    return sa.Table(
+        name,
+        metadata,
+        # Time-ordered UUIDv7, made by the publisher; sent to Kafka as the `outbox-id` header.
+        sa.Column("id", sa.Uuid(as_uuid=True), primary_key=True),
+        # Insert order: the relay publishes one shard's messages in this order.
+        sa.Column("seq", sa.BigInteger, sa.Identity(always=True), nullable=False),
+        sa.Column("shard", sa.SmallInteger, nullable=False),
+        sa.Column("topic", sa.Text, nullable=False),
+        sa.Column("key", sa.LargeBinary),
+        sa.Column("value", sa.LargeBinary),
+        sa.Column("header_names", pg.ARRAY(sa.Text)),
+        sa.Column("header_values", pg.ARRAY(sa.LargeBinary)),
+        sa.Column("idempotency_key", sa.Text),
+        sa.Column("status", sa.Text, nullable=False, server_default=PENDING),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("next_attempt_at", tz),
+        # A sender (relay or immediate send) that took the row holds it until lease_until.
+        sa.Column("lease_owner", sa.Text),
+        sa.Column("lease_until", tz),
+        sa.Column("error_kind", sa.Text),
+        sa.Column("last_error", sa.Text),
+        sa.Column("created_at", tz, nullable=False, server_default=sa.func.now()),
+        sa.Column("sent_at", tz),
+        sa.Column("kafka_partition", sa.Integer),
+        sa.Column("kafka_offset", sa.BigInteger),
+        sa.CheckConstraint("status IN ('pending', 'sent', 'dead')", name=f"{name}_status_check"),
+        # Only pending rows are indexed for the relay's scan, so it stays small however many
+        # sent rows pile up.
+        sa.Index(
+            f"{name}_pending_idx",
+            "shard",
+            "seq",
+            postgresql_where=sa.text("status = 'pending'"),
+        ),
+        sa.Index(
+            f"{name}_idempotency_key_idx",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=sa.text("idempotency_key IS NOT NULL"),
+        ),
+        schema=schema,
+    )
+
+
+DEFAULT_SPEC = OutboxTableSpec()

@@ -1,0 +1,76 @@
+"""Turning message values into bytes.
+
+A serializer is any object with ``serialize(value) -> bytes | None`` and a ``content_type``
+string (sent as the ``content-type`` header). The default, :class:`JsonSerializer`, passes
+bytes through and writes JSON for everything else it knows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import orjson
+
+from outbox.errors import SerializationError
+
+
+@runtime_checkable
+class Serializer(Protocol):
+    """Protocol for pluggable value serializers.
+
+    ``serialize`` must return ``bytes`` (or ``None`` for a Kafka tombstone) and raise
+    :class:`~outbox.errors.SerializationError` (or any ``TypeError``/``ValueError``, which the
+    outbox wraps) for values it cannot encode.
+    """
+
+    content_type: str | None
+
+    def serialize(self, value: Any) -> bytes | None: ...
+
+
+class JsonSerializer:
+    """bytes pass through; dicts, lists, dataclasses, pydantic models and scalars become JSON.
+
+    JSON is written with ``orjson`` (UTF-8, compact), which also handles datetimes, UUIDs and
+    enums. ``str`` values are written as UTF-8 text, not as a JSON string.
+    """
+
+    content_type: str | None = "application/json"
+
+    def serialize(self, value: Any) -> bytes | None:
+        if value is None or isinstance(value, bytes):
+            return value
+        if isinstance(value, bytearray | memoryview):
+            return bytes(value)
+        if isinstance(value, str):
+            return value.encode()
+        if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
+            value = value.model_dump(mode="json")
+        try:
+            return orjson.dumps(value, default=_fallback, option=orjson.OPT_NON_STR_KEYS)
+        except (TypeError, orjson.JSONEncodeError) as exc:
+            raise SerializationError(
+                f"cannot serialize {type(value).__name__} to JSON: {exc}"
+            ) from exc
+
+
+def _fallback(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+class BytesSerializer:
+    """Accepts only ``bytes`` (or ``None``): for callers that encode values themselves."""
+
+    content_type: str | None = None
+
+    def serialize(self, value: Any) -> bytes | None:
+        if value is None or isinstance(value, bytes):
+            return value
+        raise SerializationError(f"BytesSerializer takes bytes, got {type(value).__name__}")

@@ -1,0 +1,96 @@
+"""Pure logic of the local stack: ports, configuration, where data lives, jar caching."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from devstack import maven
+from devstack.kafka import KafkaBroker
+from devstack.postgres import data_root_for
+from devstack.procs import free_port, pid_alive
+from devstack.stack import StackInfo, _usable_port
+
+
+def test_free_port_can_be_bound_on_loopback() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_usable_port_keeps_a_free_recorded_port_and_replaces_a_busy_one() -> None:
+    recorded = free_port()
+    assert _usable_port(recorded) == recorded
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        replacement = _usable_port(taken)
+    assert replacement not in (taken, 0)
+    assert _usable_port(recorded, avoid=recorded) != recorded
+
+
+def test_broker_config_listens_on_loopback_without_topic_auto_creation(tmp_path: Path) -> None:
+    broker = KafkaBroker(root=tmp_path, jars=[], port=19092, controller_port=19093)
+    config = dict(line.split("=", 1) for line in broker._server_properties().splitlines() if line)
+    assert config["auto.create.topics.enable"] == "false"
+    assert config["listeners"] == "PLAINTEXT://127.0.0.1:19092,CONTROLLER://127.0.0.1:19093"
+    assert config["process.roles"] == "broker,controller"
+    assert config["transaction.state.log.replication.factor"] == "1"
+    assert config["transaction.state.log.min.isr"] == "1"
+    assert broker.bootstrap_servers == "127.0.0.1:19092"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the cluster to another user")
+def test_cluster_moves_out_of_a_folder_the_postgres_user_cannot_reach(tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    open_dir = Path("/tmp") / f"outbox-open-{os.getpid()}"
+    open_dir.mkdir(mode=0o755, exist_ok=True)
+    try:
+        moved = data_root_for(private / "run")
+        assert moved.parent == Path("/tmp")
+        assert moved.name.startswith("outbox-postgres-")
+        assert moved == data_root_for(private / "run")  # stable, so a restart finds its data
+        assert data_root_for(open_dir / "run") == open_dir / "run" / "postgres"
+    finally:
+        open_dir.rmdir()
+
+
+def test_resolved_jars_are_reused_without_maven(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    jars_dir = tmp_path / "jars"
+    jars_dir.mkdir()
+    (jars_dir / "a.jar").write_bytes(b"")
+    pom = maven.POM_ROOT / "kafka" / "pom.xml"
+    import hashlib
+
+    digest = hashlib.sha256(pom.read_bytes() + maven.SETTINGS.read_bytes()).hexdigest()
+    (jars_dir / ".resolved").write_text(digest)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no mvn to be found
+    assert maven.resolve_jars("kafka", jars_dir) == [jars_dir / "a.jar"]
+
+    (jars_dir / ".resolved").write_text("stale")  # the POM changed: Maven is needed again
+    with pytest.raises(maven.StackError, match="Maven"):
+        maven.resolve_jars("kafka", jars_dir)
+
+
+def test_pid_alive_tells_a_finished_process_from_a_live_one() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert not pid_alive(pid)
+    assert pid_alive(os.getpid())
+    assert not pid_alive(None)
+
+
+def test_stack_info_exports_the_settings_as_environment_variables() -> None:
+    info = StackInfo("postgresql+psycopg://u:p@127.0.0.1:5/db", "127.0.0.1:9", ("/a.jar", "/b.jar"))
+    assert info.as_env() == {
+        "OUTBOX_DATABASE_URL": "postgresql+psycopg://u:p@127.0.0.1:5/db",
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9",
+        "OUTBOX_SPARK_JARS": "/a.jar,/b.jar",
+    }
