@@ -6,9 +6,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from uuid6 import uuid7
-
 from outbox.errors import InvalidMessage, PayloadTooLarge, SerializationError
+from outbox.ids import uuid7
 from outbox.schema import shard_of
 from outbox.serialization import Serializer
 from outbox.validation import (

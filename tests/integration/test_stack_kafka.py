@@ -2,50 +2,14 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from tests.support.kafka import consume_all
 
 pytestmark = pytest.mark.integration
-
-
-def consume_all(
-    bootstrap: str, topic: str, *, isolation: str, expect: int, timeout: float = 30.0
-) -> list[tuple[bytes | None, bytes | None]]:
-    """Read ``topic`` from the start until ``expect`` records arrived and it went quiet."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"smoke-{uuid.uuid4().hex}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "isolation.level": isolation,
-        }
-    )
-    consumer.subscribe([topic])
-    records: list[tuple[bytes | None, bytes | None]] = []
-    deadline = time.monotonic() + timeout
-    quiet_since = None
-    try:
-        while time.monotonic() < deadline:
-            message = consumer.poll(0.5)
-            if message is None:
-                if len(records) >= expect:
-                    quiet_since = quiet_since or time.monotonic()
-                    if time.monotonic() - quiet_since > 1.5:
-                        break
-                continue
-            if message.error():
-                if message.error().code() == KafkaError._PARTITION_EOF:
-                    continue
-                raise KafkaException(message.error())
-            records.append((message.key(), message.value()))
-            quiet_since = None
-    finally:
-        consumer.close()
-    return records
 
 
 def test_idempotent_producer_delivers_each_record_once_in_order(

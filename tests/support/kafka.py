@@ -1,0 +1,61 @@
+"""Reading topics back in tests."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message
+
+
+def consume_messages(
+    bootstrap: str,
+    topic: str,
+    *,
+    expect: int,
+    isolation: str = "read_committed",
+    timeout: float = 30.0,
+    quiet: float = 1.5,
+) -> list[Message]:
+    """Read ``topic`` from the start until ``expect`` records arrived and it stayed quiet."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"test-{uuid.uuid4().hex}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+        }
+    )
+    consumer.subscribe([topic])
+    records: list[Message] = []
+    deadline = time.monotonic() + timeout
+    quiet_since = None
+    try:
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is None:
+                if len(records) >= expect:
+                    quiet_since = quiet_since or time.monotonic()
+                    if time.monotonic() - quiet_since > quiet:
+                        break
+                continue
+            if message.error():
+                if message.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaException(message.error())
+            records.append(message)
+            quiet_since = None
+    finally:
+        consumer.close()
+    return records
+
+
+def consume_all(
+    bootstrap: str, topic: str, *, isolation: str, expect: int, timeout: float = 30.0
+) -> list[tuple[bytes | None, bytes | None]]:
+    """(key, value) of every record, as :func:`consume_messages` reads them."""
+    messages = consume_messages(
+        bootstrap, topic, expect=expect, isolation=isolation, timeout=timeout
+    )
+    return [(m.key(), m.value()) for m in messages]
