@@ -6,12 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help setup demo test lint typecheck pytest up down status clean
+.PHONY: help setup demo test lint typecheck pytest up down status clean bench-write
 
 help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
 	@echo "make test   lint, type-check and run every test against the real servers"
 	@echo "make up / make down / make status   the long-running local stack ('dev')"
+	@echo "make bench-write   write-path benchmark (BENCH_ARGS='--n 10000')"
 
 $(INSTALLED): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ typecheck: $(INSTALLED)
 
 pytest: $(INSTALLED)
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench-write: setup
+	$(BIN)/python -m bench.write_path $(BENCH_ARGS)
 
 up: setup
 	$(BIN)/outbox dev up

@@ -9,7 +9,8 @@ ahead of the clock under load.)
 
 from __future__ import annotations
 
-import secrets
+import os
+import random
 import threading
 import time
 import uuid
@@ -17,6 +18,10 @@ import uuid
 _SUB_MS_STEPS = 1 << 12
 _lock = threading.Lock()
 _last = 0  # (millisecond << 12) | fraction, of the last id made
+# Random bits need uniqueness, not secrecy: a seeded generator saves a system call per id.
+# Each forked child reseeds, or two workers of one parent would draw the same bits.
+_random = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _random.seed(os.urandom(32)))
 
 
 def uuid7() -> uuid.UUID:
@@ -28,7 +33,7 @@ def uuid7() -> uuid.UUID:
         stamp = max(stamp, _last + 1)
         _last = stamp
     millis, fraction = stamp >> 12, stamp & 0xFFF
-    value = (millis << 80) | (0x7 << 76) | (fraction << 64) | (0b10 << 62) | secrets.randbits(62)
+    value = (millis << 80) | (0x7 << 76) | (fraction << 64) | (0b10 << 62) | _random.getrandbits(62)
     return uuid.UUID(int=value)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from outbox.errors import InvalidMessage, PayloadTooLarge, SerializationError
 from outbox.ids import uuid7
 from outbox.schema import shard_of
-from outbox.serialization import Serializer
+from outbox.serialization import Serializer, content_type_of
 from outbox.validation import (
     HeadersLike,
     KeyLike,
@@ -77,12 +77,12 @@ def encode_message(
         raise SerializationError(
             f"serializer {type(serializer).__name__} returned {type(value).__name__}, not bytes"
         )
-    if serializer.content_type and value is not None:
-        headers.append((CONTENT_TYPE_HEADER, serializer.content_type.encode()))
+    content_type = content_type_of(serializer, message.value) if value is not None else None
     size = (
         len(value or b"")
         + len(key or b"")
         + sum(len(name) + len(header or b"") for name, header in headers)
+        + (len(CONTENT_TYPE_HEADER) + len(content_type) if content_type else 0)
     )
     if size > max_message_bytes:
         raise PayloadTooLarge(
@@ -90,17 +90,21 @@ def encode_message(
             "(max_message_bytes, which must not exceed the topic's max.message.bytes)"
         )
     message_id = uuid7()
-    return EncodedMessage(
-        id=message_id,
-        idempotency_key=message.idempotency_key,
-        row={
-            "id": message_id,
-            "shard": shard_of(key, message_id.bytes),
-            "topic": topic,
-            "key": key,
-            "value": value,
-            "header_names": [name for name, _ in headers] or None,
-            "header_values": [header for _, header in headers] or None,
-            "idempotency_key": message.idempotency_key,
-        },
-    )
+    # Only the columns that have a value: a shorter INSERT is a faster one.
+    row: dict[str, Any] = {
+        "id": message_id,
+        "shard": shard_of(key, message_id),
+        "topic": topic,
+    }
+    if key is not None:
+        row["key"] = key
+    if value is not None:
+        row["value"] = value
+    if content_type is not None:
+        row["content_type"] = content_type
+    if headers:
+        row["header_names"] = [name for name, _ in headers]
+        row["header_values"] = [header for _, header in headers]
+    if message.idempotency_key is not None:
+        row["idempotency_key"] = message.idempotency_key
+    return EncodedMessage(id=message_id, row=row, idempotency_key=message.idempotency_key)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
 
 _SESSION_IDS_KEY = "outbox.published_ids"
+
+#: Rounds of look-up-then-insert before concurrent writers of the same keys give up.
+KEYED_WRITE_ATTEMPTS = 5
 
 
 class Outbox:
@@ -71,17 +75,11 @@ class Outbox:
         self._url = bind if isinstance(bind, str) else None
         self._engine = bind if isinstance(bind, Engine) else None
         self._async_engine = bind if isinstance(bind, AsyncEngine) else None
-        self._verified: set[str] = set()
+        # Engines (database + role) whose outbox table was found writable.
+        self._verified: weakref.WeakSet[Engine] = weakref.WeakSet()
         table_obj = self.spec.table_obj
         self._insert = table_obj.insert()
-        self._insert_keyed = (
-            pg_insert(table_obj)
-            .on_conflict_do_nothing(
-                index_elements=[table_obj.c.idempotency_key],
-                index_where=table_obj.c.idempotency_key.isnot(None),
-            )
-            .returning(table_obj.c.id, table_obj.c.idempotency_key)
-        )
+        self._driver_sql: dict[tuple[str, ...], str] = {}
         self._existing = sa.select(table_obj.c.idempotency_key, table_obj.c.id).where(
             table_obj.c.idempotency_key.in_(sa.bindparam("keys", expanding=True))
         )
@@ -169,11 +167,13 @@ class Outbox:
         """
         encoded = self._encode(messages)
         if isinstance(bind, Session):
-            results = self._write(_session_connection(bind), encoded)
+            results = self._write(
+                _session_connection(bind), encoded, functools.partial(_session_savepoint, bind)
+            )
             self._remember(bind, results)
             return results
         if isinstance(bind, Connection):
-            return self._write(_checked_connection(bind), encoded)
+            return self._write(_checked_connection(bind), encoded, bind.begin_nested)
         raise TypeError(
             f"publish needs a SQLAlchemy Session or Connection, got {type(bind).__name__}"
         )
@@ -200,7 +200,8 @@ class Outbox:
         if isinstance(bind, AsyncSession):
 
             def write_in_session(session: Session) -> list[PublishResult]:
-                results = self._write(_session_connection(session), encoded)
+                savepoint = functools.partial(_session_savepoint, session)
+                results = self._write(_session_connection(session), encoded, savepoint)
                 self._remember(session, results)
                 return results
 
@@ -208,7 +209,9 @@ class Outbox:
         if isinstance(bind, AsyncConnection):
             if not bind.in_transaction():
                 raise NotInTransaction("publish needs a connection inside a transaction: begin()")
-            return await bind.run_sync(lambda conn: self._write(_checked_connection(conn), encoded))
+            return await bind.run_sync(
+                lambda conn: self._write(_checked_connection(conn), encoded, conn.begin_nested)
+            )
         raise TypeError(
             f"apublish needs an AsyncSession or AsyncConnection, got {type(bind).__name__}"
         )
@@ -223,42 +226,88 @@ class Outbox:
             encoded.append(encode_message(message, self.serializer, self.max_message_bytes))
         return encoded
 
-    def _write(self, conn: Connection, encoded: Sequence[EncodedMessage]) -> list[PublishResult]:
+    def _write(
+        self,
+        conn: Connection,
+        encoded: Sequence[EncodedMessage],
+        savepoint: Callable[[], AbstractContextManager[Any]],
+    ) -> list[PublishResult]:
         if not encoded:
             return []
         self._verify_table(conn)
-        rows = [m.row for m in encoded]
-        keys = {m.idempotency_key for m in encoded if m.idempotency_key is not None}
-        written: dict[str, uuid.UUID] = {}
-        existing: dict[str, uuid.UUID] = {}
         try:
-            if not keys:
-                conn.execute(self._insert, rows)
-            else:
-                # One statement for all rows keeps their order; only keyed rows can conflict.
-                for row in conn.execute(self._insert_keyed, rows):
-                    if row.idempotency_key is not None:
-                        written[row.idempotency_key] = row.id
-                if missing := keys - set(written):
-                    found = conn.execute(self._existing, {"keys": sorted(missing)})
-                    existing = {row[0]: row[1] for row in found}
+            if all(m.idempotency_key is None for m in encoded):
+                self._insert_rows(conn, _same_columns([m.row for m in encoded]))
+                return [PublishResult(m.id) for m in encoded]
+            return self._write_keyed(conn, encoded, savepoint)
         except exc.ProgrammingError as error:
             translated = _translate(error, self.spec)
             if translated is None:
                 raise
             raise translated from error
-        results = []
-        claimed: set[str] = set()
+
+    def _insert_rows(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """INSERT ``rows`` (all with the same columns) in one statement.
+
+        With psycopg the statement is compiled by Core once per column set and then run as
+        driver SQL: the hot path skips Core's per-call compile-cache and parameter work.
+        """
+        dialect = conn.dialect
+        if dialect.driver != "psycopg" or dialect.paramstyle != "pyformat":
+            conn.execute(self._insert, rows)
+            return
+        columns = tuple(rows[0])
+        statement = self._driver_sql.get(columns)
+        if statement is None:
+            compiled = self._insert.compile(dialect=dialect, column_keys=list(columns))
+            statement = self._driver_sql[columns] = str(compiled)
+        conn.exec_driver_sql(statement, rows[0] if len(rows) == 1 else rows)
+
+    def _write_keyed(
+        self,
+        conn: Connection,
+        encoded: Sequence[EncodedMessage],
+        savepoint: Callable[[], AbstractContextManager[Any]],
+    ) -> list[PublishResult]:
+        """Write a batch with idempotency keys: the first message of each new key wins.
+
+        Keys already stored are looked up first; the insert runs in a savepoint, so that a
+        concurrent transaction committing the same key meanwhile costs a retry of this step,
+        never the caller's transaction. (ON CONFLICT cannot be used: the table's NOTIFY rule
+        forbids it.)
+        """
+        first: dict[str, EncodedMessage] = {}
         for message in encoded:
-            ikey = message.idempotency_key
-            if ikey is None:
-                results.append(PublishResult(message.id))
-            elif ikey in written and ikey not in claimed:
-                claimed.add(ikey)
-                results.append(PublishResult(written[ikey]))
-            else:
-                results.append(PublishResult(written.get(ikey) or existing[ikey], duplicate=True))
-        return results
+            if message.idempotency_key is not None:
+                first.setdefault(message.idempotency_key, message)
+        for _ in range(KEYED_WRITE_ATTEMPTS):
+            found = conn.execute(self._existing, {"keys": list(first)})
+            existing: dict[str, uuid.UUID] = {row[0]: row[1] for row in found}
+            fresh = [
+                m
+                for m in encoded
+                if m.idempotency_key is None
+                or (first[m.idempotency_key] is m and m.idempotency_key not in existing)
+            ]
+            try:
+                with savepoint():
+                    if fresh:
+                        self._insert_rows(conn, _same_columns([m.row for m in fresh]))
+            except exc.IntegrityError as error:
+                if getattr(getattr(error.orig, "diag", None), "constraint_name", None) != (
+                    self.spec.idempotency_index
+                ):
+                    raise
+                continue  # a concurrent transaction committed one of the keys: look again
+            written = {id(m) for m in fresh}
+            return [
+                PublishResult(m.id) if id(m) in written else _duplicate(m, existing, first)
+                for m in encoded
+            ]
+        raise OutboxError(
+            "idempotency keys kept colliding with concurrent transactions; retry the "
+            "transaction (under REPEATABLE READ a committed duplicate stays invisible)"
+        )
 
     def _verify_table(self, conn: Connection) -> None:
         """Check once per database and role that the table exists and takes inserts.
@@ -266,10 +315,10 @@ class Outbox:
         Done before the first insert so that a missing table or privilege is reported without
         aborting the caller's transaction.
         """
-        url = conn.engine.url
-        cache_key = f"{url.host}:{url.port}/{url.database}/{url.username}"
-        if cache_key in self._verified:
+        engine = conn.engine
+        if engine in self._verified:
             return
+        url = engine.url
         exists, can_insert = conn.execute(
             sa.text(
                 "SELECT t.oid IS NOT NULL, "
@@ -289,7 +338,7 @@ class Outbox:
                 f"role {url.username or '(current)'} may not INSERT into "
                 f"{self.spec.qualified_name}: GRANT INSERT ON {self.spec.qualified_name} TO it"
             )
-        self._verified.add(cache_key)
+        self._verified.add(engine)
 
     def _remember(self, session: Session, results: list[PublishResult]) -> None:
         """Note new message ids on the session so that they can be sent right after commit."""
@@ -342,6 +391,33 @@ class AsyncOutboxTransaction:
     async def publish_many(self, messages: Iterable[Message]) -> list[PublishResult]:
         """:meth:`Outbox.apublish_many` in this transaction."""
         return await self.outbox.apublish_many(self.session, messages)
+
+
+@contextmanager
+def _session_savepoint(session: Session) -> Iterator[None]:
+    with session.begin_nested():
+        session.connection()  # emit the SAVEPOINT now: the insert runs on the Connection itself
+        yield
+
+
+def _duplicate(
+    message: EncodedMessage, existing: dict[str, uuid.UUID], first: dict[str, EncodedMessage]
+) -> PublishResult:
+    key = message.idempotency_key
+    assert key is not None
+    return PublishResult(existing.get(key) or first[key].id, duplicate=True)
+
+
+def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every row of a multi-row INSERT the same columns (NULL where one has none)."""
+    if len(rows) == 1:
+        return rows
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    if all(len(row) == len(columns) for row in rows):
+        return rows
+    return [{name: row.get(name) for name in columns} for row in rows]
 
 
 def _session_connection(session: Session) -> Connection:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.message import ID_HEADER
+from outbox.message import CONTENT_TYPE_HEADER, ID_HEADER
 
 #: Producer settings the outbox always uses: idempotence makes retries duplicate-free and
 #: keeps each partition's records in order; acks=all waits for the in-sync replicas.
@@ -39,11 +39,16 @@ class OutboxRecord:
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> OutboxRecord:
         """Build from a result row; raises ValueError for a row whose headers do not decode."""
-        names: Sequence[str] | None = row["header_names"]
-        values: Sequence[bytes | None] | None = row["header_values"]
+        names: Sequence[str] | None = row.get("header_names")
+        values: Sequence[bytes | None] | None = row.get("header_values")
         if (names is None) != (values is None) or (names and len(names) != len(values or ())):
             raise ValueError("header_names and header_values differ in length")
         headers: list[tuple[str, bytes | None]] = [(ID_HEADER, str(row["id"]).encode())]
+        content_type = row.get("content_type")
+        if content_type is not None:
+            if not isinstance(content_type, str):
+                raise ValueError("content_type is not text")
+            headers.append((CONTENT_TYPE_HEADER, content_type.encode()))
         for name, value in zip(names or (), values or (), strict=True):
             if not isinstance(name, str) or not (value is None or isinstance(value, bytes)):
                 raise ValueError(f"header {name!r} is not (str, bytes)")
@@ -53,8 +58,8 @@ class OutboxRecord:
             seq=row["seq"],
             shard=row["shard"],
             topic=row["topic"],
-            key=_as_bytes(row["key"]),
-            value=_as_bytes(row["value"]),
+            key=_as_bytes(row.get("key")),
+            value=_as_bytes(row.get("value")),
             headers=headers,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,9 +26,12 @@ PENDING, SENT, DEAD = "pending", "sent", "dead"
 STATUSES = (PENDING, SENT, DEAD)
 
 
-def shard_of(key: bytes | None, message_id: bytes) -> int:
-    """The shard of a message: by key, so one key's messages stay in one shard, in order."""
-    return zlib.crc32(key if key is not None else message_id) % SHARD_COUNT
+def shard_of(key: bytes | None, message_id: uuid.UUID) -> int:
+    """The shard of a message: by key, so one key's messages stay in one shard, in order.
+
+    Messages without a key have no order to keep and spread by their id.
+    """
+    return zlib.crc32(key if key is not None else message_id.bytes) % SHARD_COUNT
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,12 @@ class OutboxTableSpec:
         return f"outbox_{self.schema}_{self.table}"
 
     @property
-    def notify_function(self) -> str:
+    def notify_rule(self) -> str:
         return f"{self.table}_notify"
+
+    @property
+    def idempotency_index(self) -> str:
+        return f"{self.table}_idempotency_key_idx"
 
     @property
     def version_table(self) -> str:
@@ -83,6 +91,8 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
         sa.Column("topic", sa.Text, nullable=False),
         sa.Column("key", sa.LargeBinary),
         sa.Column("value", sa.LargeBinary),
+        sa.Column("content_type", sa.Text),
+        # User headers only, as two parallel arrays; NULL (the cheap case) when there are none.
         sa.Column("header_names", pg.ARRAY(sa.Text)),
         sa.Column("header_values", pg.ARRAY(sa.LargeBinary)),
         sa.Column("idempotency_key", sa.Text),

@@ -1,8 +1,10 @@
 """Turning message values into bytes.
 
 A serializer is any object with ``serialize(value) -> bytes | None`` and a ``content_type``
-string (sent as the ``content-type`` header). The default, :class:`JsonSerializer`, passes
-bytes through and writes JSON for everything else it knows.
+(``str | None``, sent as the ``content-type`` header). A serializer whose content type
+depends on the value may also define ``content_type_of(value)``. The default,
+:class:`JsonSerializer`, passes bytes through (no content type), writes ``str`` as UTF-8 text
+and everything else it knows as JSON.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ class JsonSerializer:
 
     content_type: str | None = "application/json"
 
+    def content_type_of(self, value: Any) -> str | None:
+        if isinstance(value, bytes | bytearray | memoryview):
+            return None
+        if isinstance(value, str):
+            return "text/plain; charset=utf-8"
+        return self.content_type
+
     def serialize(self, value: Any) -> bytes | None:
         if value is None or isinstance(value, bytes):
             return value
@@ -63,6 +72,15 @@ def _fallback(value: Any) -> Any:
     if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def content_type_of(serializer: Serializer, value: Any) -> str | None:
+    """The content type to label ``value`` with, asking the serializer per value if it can."""
+    per_value = getattr(serializer, "content_type_of", None)
+    if callable(per_value):
+        result = per_value(value)
+        return str(result) if result is not None else None
+    return serializer.content_type
 
 
 class BytesSerializer:

@@ -28,6 +28,19 @@ HeadersLike: TypeAlias = Mapping[str, HeaderValue] | Iterable[tuple[str, HeaderV
 
 def validate_topic(topic: object) -> str:
     """Return ``topic`` if Kafka would accept it as a topic name, else raise InvalidTopic."""
+    if isinstance(topic, str) and topic in _valid_topics:
+        return topic  # services publish to a handful of topics, over and over
+    _check_topic(topic)
+    assert isinstance(topic, str)
+    if len(_valid_topics) < 10_000:
+        _valid_topics.add(topic)
+    return topic
+
+
+_valid_topics: set[str] = set()
+
+
+def _check_topic(topic: object) -> None:
     if not isinstance(topic, str):
         raise InvalidTopic(f"topic must be a str, got {type(topic).__name__}")
     if not topic:
@@ -44,7 +57,6 @@ def validate_topic(topic: object) -> str:
             f"topic {topic!r} has characters Kafka does not allow: {''.join(bad)!r} "
             "(allowed: ASCII letters, digits, '.', '_', '-')"
         )
-    return topic
 
 
 def validate_identifier(name: object, what: str = "identifier") -> str:

@@ -10,7 +10,7 @@ UPDATE {table}
    AND status = 'pending'
    AND (lease_until IS NULL OR lease_until < now())
    AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-RETURNING id, seq, shard, topic, key, value, header_names, header_values, created_at;
+RETURNING id, seq, shard, topic, key, value, content_type, header_names, header_values, created_at;
 
 -- name: leased_behind_earlier
 -- Of the rows this sender leased, those whose key still has an earlier pending row that the

@@ -78,7 +78,7 @@ def test_cli_upgrades_a_custom_schema_and_table(database_url: str) -> None:
     offline = CliRunner().invoke(main, ["db", "upgrade", "--database-url", database_url, "--sql"])
     assert offline.exit_code == 0
     assert "CREATE TABLE public.outbox" in offline.output
-    assert "pg_notify('outbox_public_outbox', '')" in offline.output
+    assert 'DO ALSO NOTIFY "outbox_public_outbox"' in offline.output
 
 
 @pytest.mark.parametrize("bad", ["Outbox", "out;drop", "1abc", "a" * 64])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -43,7 +44,8 @@ def outbox_rows(engine: sa.Engine) -> list[sa.Row]:  # type: ignore[type-arg]
         return list(
             conn.execute(
                 sa.text(
-                    "SELECT id, topic, key, value, header_names, header_values, status, shard, "
+                    "SELECT id, topic, key, value, content_type, header_names, header_values, "
+                    "status, shard, "
                     "idempotency_key FROM outbox ORDER BY seq"
                 )
             )
@@ -66,8 +68,9 @@ def test_transaction_commits_business_row_and_message_together(ob: Outbox, engin
     assert row.id == result.message_id and row.id.version == 7
     assert (row.topic, row.key, row.status) == ("orders", b"1", "pending")
     assert row.value == b'{"order_id":1,"total":30}'
-    assert row.header_names == ["trace", "content-type"]
-    assert row.header_values == [b"abc", b"application/json"]
+    assert row.content_type == "application/json"
+    assert row.header_names == ["trace"]
+    assert row.header_values == [b"abc"]
     assert not result.duplicate
 
 
@@ -250,3 +253,34 @@ def test_sixteen_threads_lose_and_duplicate_nothing(ob: Outbox, engine) -> None:
     assert len(published) == 16 * 45
     assert sorted(r.id for r in rows) == sorted(published)
     assert order_count(engine) == len(published)
+
+
+def test_concurrent_writers_of_one_idempotency_key_write_it_once(ob: Outbox, engine) -> None:  # type: ignore[no-untyped-def]
+    first_in = threading.Event()
+    release_first = threading.Event()
+    results: dict[str, outbox.PublishResult] = {}
+
+    def first() -> None:
+        with ob.transaction() as tx:
+            results["first"] = tx.publish("orders", b"first", idempotency_key="k-1")
+            first_in.set()
+            release_first.wait(10)
+
+    def second() -> None:
+        first_in.wait(10)
+        with ob.transaction() as tx:  # blocks on the unique index until `first` commits
+            results["second"] = tx.publish("orders", b"second", idempotency_key="k-1")
+            tx.publish("orders", b"after")  # the transaction is still good
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    first_in.wait(10)
+    time.sleep(0.5)  # let `second` reach the index and wait there
+    release_first.set()
+    for thread in threads:
+        thread.join(20)
+    assert not results["first"].duplicate
+    assert results["second"].duplicate
+    assert results["second"].message_id == results["first"].message_id
+    assert [r.value for r in outbox_rows(engine)] == [b"first", b"after"]

@@ -1,3 +1,4 @@
+import uuid
 from typing import Any
 
 import pytest
@@ -20,15 +21,17 @@ def test_encoding_fills_the_row() -> None:
     assert row["id"] == encoded.id and encoded.id.version == 7
     assert row["value"] == b'{"a":1}'
     assert row["key"] == b"k"
-    assert row["header_names"] == ["trace", CONTENT_TYPE_HEADER]
-    assert row["header_values"] == [b"t", b"application/json"]
-    assert row["shard"] == shard_of(b"k", encoded.id.bytes)
+    assert row["content_type"] == "application/json"
+    assert row["header_names"] == ["trace"]
+    assert row["header_values"] == [b"t"]
+    assert row["shard"] == shard_of(b"k", encoded.id)
 
 
-def test_raw_bytes_and_tombstones_carry_no_content_type() -> None:
-    assert encode(Message("orders", b"raw")).row["header_names"] == ["content-type"]
+def test_content_type_follows_the_value() -> None:
+    assert "content_type" not in encode(Message("orders", b"raw")).row
+    assert encode(Message("orders", "text")).row["content_type"] == "text/plain; charset=utf-8"
     tombstone = encode(Message("orders", None, key="k")).row
-    assert tombstone["value"] is None and tombstone["header_names"] is None
+    assert tombstone.keys() == {"id", "shard", "topic", "key"}  # NULL columns are left out
 
 
 def test_ids_are_time_ordered() -> None:
@@ -37,9 +40,9 @@ def test_ids_are_time_ordered() -> None:
 
 
 def test_same_key_same_shard_and_shards_in_range() -> None:
-    shards = {shard_of(b"customer-7", bytes(16)) for _ in range(3)}
+    shards = {shard_of(b"customer-7", uuid.uuid4()) for _ in range(3)}
     assert len(shards) == 1
-    spread = {shard_of(f"k{i}".encode(), bytes(16)) for i in range(2000)}
+    spread = {shard_of(f"k{i}".encode(), uuid.uuid4()) for i in range(2000)}
     assert spread == set(range(SHARD_COUNT))
 
 
@@ -77,9 +80,15 @@ def test_bad_outbox_settings_are_refused() -> None:
 
 
 def test_record_from_row_adds_the_id_header_and_refuses_broken_headers() -> None:
-    encoded = encode(Message("t", b"v", headers=[("a", b"1")]))
+    encoded = encode(Message("t", {"v": 1}, headers=[("a", b"1")]))
     record = OutboxRecord.from_row({**encoded.row, "seq": 1})
-    assert record.headers[0] == ("outbox-id", str(encoded.id).encode())
-    assert record.headers[1] == ("a", b"1")
+    assert record.headers == [
+        ("outbox-id", str(encoded.id).encode()),
+        (CONTENT_TYPE_HEADER, b"application/json"),
+        ("a", b"1"),
+    ]
     with pytest.raises(ValueError, match="differ in length"):
-        OutboxRecord.from_row({**encoded.row, "seq": 1, "header_values": [b"1"]})
+        OutboxRecord.from_row({**encoded.row, "seq": 1, "header_values": [b"1", b"2"]})
+    bare = encode(Message("t", b"v")).row
+    plain = OutboxRecord.from_row({**bare, "seq": 2, "header_names": None, "header_values": None})
+    assert plain.headers == [("outbox-id", str(bare["id"]).encode())]

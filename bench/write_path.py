@@ -1,0 +1,178 @@
+"""Write-path benchmark: what one outbox message adds to a business transaction.
+
+Four kinds of transaction, interleaved in rounds so that drift on a noisy machine hits all
+of them alike, each on its own SQLAlchemy Core connection in one transaction:
+
+  a  bare      insert one order row
+  b  plain     a + one row of the outbox row's size into a table with only a primary key
+  c  outbox    a + one message through Outbox.publish
+  d  bulk10    a + ten messages through Outbox.publish_many
+
+Prints p50/p99 per transaction and the ratios; the last line is one JSON object.
+Run: make bench-write   (or python -m bench.write_path --n 10000)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from bench.stack import bench_stack, machine, percentile
+from outbox import Message, Outbox, migrate
+
+KINDS = ("bare", "plain", "outbox", "bulk10")
+
+
+def event(order_id: int) -> dict[str, object]:
+    return {
+        "type": "OrderPlaced",
+        "order_id": order_id,
+        "customer_id": f"cust-{order_id % 9973:05d}",
+        "total_cents": 1999 + order_id % 500,
+        "currency": "EUR",
+        "lines": [{"sku": f"sku-{order_id % 97}", "qty": 1 + order_id % 3}],
+    }
+
+
+def prepare(engine: sa.Engine) -> int:
+    """Create the business tables; return the payload size that matches an outbox row."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("CREATE TABLE orders (id bigint PRIMARY KEY, customer text, total int)")
+        )
+        conn.execute(sa.text("CREATE TABLE plain_rows (id uuid PRIMARY KEY, payload bytea)"))
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        tx.publish_many([Message("orders", event(i), key=i) for i in range(100)])
+    with engine.begin() as conn:
+        row_size = conn.execute(
+            sa.text("SELECT avg(pg_column_size(o.*))::int FROM outbox o")
+        ).scalar_one()
+        conn.execute(sa.text("TRUNCATE outbox"))
+    return max(16, row_size - 40)  # minus the plain row's uuid and tuple overhead
+
+
+def runners(
+    engine: sa.Engine, payload_size: int
+) -> dict[str, Callable[[sa.Connection, int], None]]:
+    ob = Outbox(engine)
+    insert_order = sa.text("INSERT INTO orders VALUES (:id, :customer, :total)")
+    insert_plain = sa.text("INSERT INTO plain_rows VALUES (gen_random_uuid(), :payload)")
+    payload = os.urandom(payload_size)
+
+    def bare(conn: sa.Connection, n: int) -> None:
+        conn.execute(insert_order, {"id": n, "customer": f"cust-{n}", "total": n % 1000})
+
+    def plain(conn: sa.Connection, n: int) -> None:
+        bare(conn, n)
+        conn.execute(insert_plain, {"payload": payload})
+
+    def outbox(conn: sa.Connection, n: int) -> None:
+        bare(conn, n)
+        ob.publish(conn, "orders", event(n), key=n)
+
+    def bulk10(conn: sa.Connection, n: int) -> None:
+        bare(conn, n)
+        ob.publish_many(conn, [Message("orders", event(n * 10 + i), key=n) for i in range(10)])
+
+    return {"bare": bare, "plain": plain, "outbox": outbox, "bulk10": bulk10}
+
+
+def measure(
+    engine: sa.Engine, n: int, payload_size: int, round_size: int = 250
+) -> dict[str, list[float]]:
+    run = runners(engine, payload_size)
+    timings: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    order_id = 0
+    with engine.connect() as conn:
+        for _ in range(200):  # warm caches, plans and the pool
+            for kind in KINDS:
+                order_id += 1
+                with conn.begin():
+                    run[kind](conn, order_id)
+        done = 0
+        rounds = 0
+        while done < n:
+            batch = min(round_size, n - done)
+            order = KINDS[rounds % 4 :] + KINDS[: rounds % 4]  # rotate who goes first
+            for kind in order:
+                for _ in range(batch):
+                    order_id += 1
+                    start = time.perf_counter_ns()
+                    with conn.begin():
+                        run[kind](conn, order_id)
+                    timings[kind].append((time.perf_counter_ns() - start) / 1000)
+            done += batch
+            rounds += 1
+    return timings
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--n", type=int, default=10_000, help="transactions of each kind")
+    args = parser.parse_args(argv)
+
+    with bench_stack("bench-write") as (_stack, info):
+        migrate.upgrade(info.database_url)
+        engine = sa.create_engine(info.database_url)
+        payload_size = prepare(engine)
+        with engine.connect() as conn:
+            settings = {
+                name: conn.execute(sa.text(f"SHOW {name}")).scalar_one()
+                for name in ("server_version", "fsync", "synchronous_commit", "shared_buffers")
+            }
+        started = time.monotonic()
+        timings = measure(engine, args.n, payload_size)
+        elapsed = time.monotonic() - started
+        engine.dispose()
+
+    stats = {}
+    for kind in KINDS:
+        values = sorted(timings[kind])
+        stats[kind] = {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+    p50 = {kind: stats[kind]["p50"] for kind in KINDS}
+    figures = {
+        "n": args.n,
+        "p50_us": {k: round(v, 1) for k, v in p50.items()},
+        "p99_us": {k: round(stats[k]["p99"], 1) for k in KINDS},
+        "p50_ratio_vs_plain_row": round(p50["outbox"] / p50["plain"], 3),
+        "p50_ratio_vs_bare": round(p50["outbox"] / p50["bare"], 3),
+        "p50_ratio_ten_bulk": round(p50["bulk10"] / p50["bare"], 3),
+        "p50_ratio_ten_bulk_vs_one": round(p50["bulk10"] / p50["outbox"], 3),
+        "plain_row_payload_bytes": payload_size,
+        "seconds": round(elapsed, 1),
+    }
+    print(f"write-path benchmark: {args.n} transactions of each kind, interleaved in rounds")
+    print(
+        f"machine: {machine()}; PostgreSQL {settings['server_version']} on 127.0.0.1, "
+        f"fsync={settings['fsync']}, synchronous_commit={settings['synchronous_commit']}, "
+        f"shared_buffers={settings['shared_buffers']}"
+    )
+    print(f"{'transaction':<34}{'p50 µs':>10}{'p99 µs':>10}{'p50 / bare':>12}")
+    labels = {
+        "bare": "a  insert order",
+        "plain": "b  + one plain row (PK only)",
+        "outbox": "c  + one outbox message",
+        "bulk10": "d  + ten messages (publish_many)",
+    }
+    for kind in KINDS:
+        print(
+            f"{labels[kind]:<34}{stats[kind]['p50']:>10.1f}{stats[kind]['p99']:>10.1f}"
+            f"{p50[kind] / p50['bare']:>12.2f}"
+        )
+    print(
+        f"outbox vs plain row (c/b, p50): {figures['p50_ratio_vs_plain_row']:.3f}   floor <= 1.15"
+    )
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
