@@ -10,11 +10,11 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
+from devstack.topics import consume_messages
 from outbox import ID_HEADER, Message, Outbox
 from outbox.immediate import ImmediateSender
 from outbox.queries import Queries
 from outbox.schema import DEFAULT_SPEC
-from tests.support.kafka import consume_messages
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from tests.support.kafka import consume_all
+from devstack.topics import consume_all
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Reading topics back in tests."""
+"""Reading a topic back whole: for tests, the demo and the benchmarks."""
 
 from __future__ import annotations
 
@@ -40,10 +40,11 @@ def consume_messages(
                     if time.monotonic() - quiet_since > quiet:
                         break
                 continue
-            if message.error():
-                if message.error().code() == KafkaError._PARTITION_EOF:
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise KafkaException(message.error())
+                raise KafkaException(error)
             records.append(message)
             quiet_since = None
     finally:

@@ -1,0 +1,151 @@
+"""End-to-end demo on the local stack (what `make demo` runs).
+
+1. Starts a private PostgreSQL and an Apache Kafka broker (KRaft) on 127.0.0.1.
+2. Creates the outbox table with the Alembic migrations, a business table and a topic.
+3. Runs business transactions that insert an order and publish an `OrderPlaced` message in
+   the same transaction; every tenth one fails on purpose and rolls back.
+4. Sends the committed messages QMQ-style, right after commit, from the writing process.
+5. Reads the topic back with a read_committed consumer and checks it against the outbox
+   table: every sent row on the topic once, at its recorded offset, and nothing from a
+   rolled-back transaction.
+6. Prints the report and stops the servers it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from collections import Counter
+
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from devstack import LocalStack
+from devstack.topics import consume_messages
+from outbox import ID_HEADER, ImmediateSender, Outbox, migrate
+
+TOPIC = "orders"
+
+
+class BusinessFailure(Exception):
+    """Stands for a business rule that rejects an order after it was written."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--orders", type=int, default=500)
+    parser.add_argument("--keep", action="store_true", help="leave the servers running")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    stack = LocalStack.named("demo")
+    print("starting PostgreSQL + Kafka on 127.0.0.1 ...", flush=True)
+    info = stack.up(database="demo")
+    print(f"  database   {sa.make_url(info.database_url).render_as_string(hide_password=True)}")
+    print(f"  kafka      {info.bootstrap_servers}   ({time.monotonic() - started:.1f}s)")
+    try:
+        return run(info.database_url, info.bootstrap_servers, args.orders)
+    finally:
+        if not args.keep:
+            stack.down()
+            print("servers stopped")
+
+
+def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
+    migrate.upgrade(database_url)
+    engine = sa.create_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE IF EXISTS orders"))
+        conn.execute(sa.text("TRUNCATE outbox"))
+        conn.execute(
+            sa.text("CREATE TABLE orders (id bigint PRIMARY KEY, customer text, total_cents int)")
+        )
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    if TOPIC not in admin.list_topics(timeout=10).topics:
+        admin.create_topics([NewTopic(TOPIC, 3, 1)])[TOPIC].result(30)
+
+    sender = ImmediateSender(engine, {"bootstrap.servers": bootstrap_servers})
+    ob = Outbox(engine, immediate=sender)
+    committed: list[uuid.UUID] = []
+    rolled_back: list[uuid.UUID] = []
+    write_started = time.monotonic()
+    for order_id in range(1, orders + 1):
+        message_id = None
+        try:
+            with ob.transaction() as tx:
+                customer = f"customer-{order_id % 37}"
+                tx.session.execute(
+                    sa.text("INSERT INTO orders VALUES (:id, :customer, :total)"),
+                    {"id": order_id, "customer": customer, "total": 1000 + order_id},
+                )
+                message_id = tx.publish(
+                    TOPIC,
+                    {"type": "OrderPlaced", "order_id": order_id, "customer": customer},
+                    key=customer,
+                ).message_id
+                if order_id % 10 == 0:
+                    raise BusinessFailure(order_id)
+            committed.append(message_id)
+        except BusinessFailure:
+            rolled_back.append(message_id)  # type: ignore[arg-type]
+    write_seconds = time.monotonic() - write_started
+    sender.close()
+
+    with engine.connect() as conn:
+        status = Counter(
+            dict(conn.execute(sa.text("SELECT status, count(*) FROM outbox GROUP BY status")).all())
+        )
+        offsets = {
+            row.id: (row.kafka_partition, row.kafka_offset)
+            for row in conn.execute(
+                sa.text(
+                    "SELECT id, kafka_partition, kafka_offset FROM outbox WHERE status = 'sent'"
+                )
+            )
+        }
+        order_rows = conn.execute(sa.text("SELECT count(*) FROM orders")).scalar_one()
+    engine.dispose()
+
+    records = consume_messages(bootstrap_servers, TOPIC, expect=len(committed), timeout=60)
+    seen = Counter(uuid.UUID(dict(r.headers())[ID_HEADER].decode()) for r in records)
+    at_recorded_offset = sum(
+        1
+        for r in records
+        if offsets.get(uuid.UUID(dict(r.headers())[ID_HEADER].decode()))
+        == (r.partition(), r.offset())
+    )
+    missing = [i for i in committed if i not in seen]
+    duplicates = sum(count - 1 for count in seen.values() if count > 1)
+    phantoms = [i for i in seen if i not in set(committed)]
+    leaked = [i for i in rolled_back if i in seen]
+
+    print()
+    print("report")
+    print(
+        f"  business transactions      {orders} ({len(committed)} committed, "
+        f"{len(rolled_back)} rolled back on purpose) in {write_seconds:.1f}s"
+    )
+    print(f"  order rows                 {order_rows}")
+    print(f"  outbox rows                {dict(status)}")
+    print(f"  records on '{TOPIC}'         {len(records)}")
+    print(f"  at their recorded offset   {at_recorded_offset}")
+    print(f"  missing                    {len(missing)}")
+    print(f"  duplicates                 {duplicates}")
+    print(f"  phantom (no outbox row)    {len(phantoms)}")
+    print(f"  from rolled-back txns      {len(leaked)}")
+    clean = (
+        not missing
+        and not duplicates
+        and not phantoms
+        and not leaked
+        and order_rows == len(committed)
+        and at_recorded_offset == len(committed)
+    )
+    print(f"  verdict                    {'CLEAN' if clean else 'DISCREPANCIES FOUND'}")
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
