@@ -119,10 +119,7 @@ class Outbox:
         """
         with Session(self.engine, expire_on_commit=False) as session:
             with session.begin():
-                tx = OutboxTransaction(self, session)
-                yield tx
-            # Committed: hand the messages to the immediate sender, if there is one.
-            self._after_commit(session)
+                yield OutboxTransaction(self, session)
 
     @asynccontextmanager
     async def atransaction(self) -> AsyncIterator[AsyncOutboxTransaction]:
@@ -130,7 +127,6 @@ class Outbox:
         async with AsyncSession(self.async_engine, expire_on_commit=False) as session:
             async with session.begin():
                 yield AsyncOutboxTransaction(self, session)
-            self._after_commit(session.sync_session)
 
     # -- publishing ------------------------------------------------------------------------
 
