@@ -117,16 +117,17 @@ class Outbox:
 
         An exception inside the block rolls everything back and propagates.
         """
-        with Session(self.engine, expire_on_commit=False) as session:
-            with session.begin():
-                yield OutboxTransaction(self, session)
+        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            yield OutboxTransaction(self, session)
 
     @asynccontextmanager
     async def atransaction(self) -> AsyncIterator[AsyncOutboxTransaction]:
         """The asyncio version of :meth:`transaction` (an AsyncSession)."""
-        async with AsyncSession(self.async_engine, expire_on_commit=False) as session:
-            async with session.begin():
-                yield AsyncOutboxTransaction(self, session)
+        async with (
+            AsyncSession(self.async_engine, expire_on_commit=False) as session,
+            session.begin(),
+        ):
+            yield AsyncOutboxTransaction(self, session)
 
     # -- publishing ------------------------------------------------------------------------
 
