@@ -15,9 +15,10 @@ from outbox.validation import validate_identifier
 DEFAULT_TABLE = "outbox"
 DEFAULT_SCHEMA = "public"
 
-#: Messages are spread over this many shards by key; a relay instance owns a subset of them.
+#: Messages are spread over this many shards by key; each relay instance owns a subset of them,
+#: and in exactly-once mode each shard has a transactional producer of its own.
 #: Fixed for the life of a table: changing it would move keys between shards.
-SHARD_COUNT = 64
+SHARD_COUNT = 16
 
 #: Table names leave room for the suffixes of the indexes and functions derived from them.
 MAX_TABLE_NAME = 40

@@ -71,3 +71,130 @@ WITH doomed AS (
 DELETE FROM {table} AS o
  USING doomed
  WHERE o.id = doomed.id;
+
+-- name: lease_batch
+-- Lease up to :batch_size pending rows of the given shards, oldest first, for the relay.
+-- A key whose earliest pending row cannot go now (backing off before a retry, or leased by
+-- another sender) is held back from that row on: later messages never overtake it.
+WITH window_rows AS (
+    SELECT o.id, o.seq, o.topic, o.key, o.next_attempt_at, o.lease_owner, o.lease_until
+      FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
+     CROSS JOIN LATERAL (
+           SELECT p.id, p.seq, p.topic, p.key, p.next_attempt_at, p.lease_owner, p.lease_until
+             FROM {table} AS p
+            WHERE p.status = 'pending' AND p.shard = s.shard
+            ORDER BY p.seq
+            LIMIT :window) AS o),
+blockers AS (
+    SELECT topic, key, min(seq) AS seq
+      FROM window_rows
+     WHERE key IS NOT NULL
+       AND (next_attempt_at > now()
+            OR (lease_until > now() AND lease_owner IS DISTINCT FROM :owner))
+     GROUP BY topic, key),
+chosen AS (
+    SELECT w.id
+      FROM window_rows AS w
+      LEFT JOIN blockers AS b ON b.topic = w.topic AND b.key = w.key
+     WHERE (w.next_attempt_at IS NULL OR w.next_attempt_at <= now())
+       AND (w.lease_until IS NULL OR w.lease_until <= now() OR w.lease_owner = :owner)
+       AND (b.seq IS NULL OR w.seq < b.seq)
+     ORDER BY w.seq
+     LIMIT :batch_size)
+UPDATE {table} AS o
+   SET lease_owner = :owner,
+       lease_until = now() + make_interval(secs => :lease_seconds)
+  FROM chosen
+ WHERE o.id = chosen.id
+   AND o.status = 'pending'
+   AND (o.lease_until IS NULL OR o.lease_until <= now() OR o.lease_owner = :owner)
+RETURNING o.id, o.seq, o.shard, o.topic, o.key, o.value, o.content_type, o.header_names,
+          o.header_values, o.attempts, o.created_at;
+
+-- name: mark_retry
+-- Record a failed attempt: back off until next_attempt_at, keep the error, give the row back.
+UPDATE {table} AS o
+   SET attempts = o.attempts + 1,
+       next_attempt_at = now() + make_interval(secs => failed.delay),
+       error_kind = failed.kind,
+       last_error = failed.error,
+       lease_owner = NULL,
+       lease_until = NULL
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:delays AS float8[]), CAST(:kinds AS text[]),
+              CAST(:errors AS text[])) AS failed (id, delay, kind, error)
+ WHERE o.id = failed.id AND o.lease_owner = :owner;
+
+-- name: mark_dead
+-- Give up on rows: they stay, dead, with the reason, until an operator retries or purges them.
+UPDATE {table} AS o
+   SET status = 'dead',
+       attempts = o.attempts + 1,
+       error_kind = failed.kind,
+       last_error = failed.error,
+       lease_owner = NULL,
+       lease_until = NULL
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:kinds AS text[]), CAST(:errors AS text[]))
+       AS failed (id, kind, error)
+ WHERE o.id = failed.id AND o.lease_owner = :owner;
+
+-- name: mark_sent_unleased
+-- Exactly-once recovery: rows whose Kafka transaction committed before their owner died.
+UPDATE {table} AS o
+   SET status = 'sent',
+       sent_at = coalesce(o.sent_at, now()),
+       kafka_partition = acked.kafka_partition,
+       kafka_offset = acked.kafka_offset,
+       attempts = o.attempts + 1,
+       lease_owner = NULL,
+       lease_until = NULL
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]))
+       AS acked (id, kafka_partition, kafka_offset)
+ WHERE o.id = acked.id AND o.status = 'pending';
+
+-- name: break_relay_leases
+-- A new shard owner takes back the rows an earlier owner of these shards had leased.
+UPDATE {table}
+   SET lease_owner = NULL, lease_until = NULL
+ WHERE status = 'pending'
+   AND shard = ANY(CAST(:shards AS smallint[]))
+   AND lease_owner LIKE 'relay-%'
+   AND lease_owner <> :owner;
+
+-- name: oldest_pending
+-- Age in seconds of the oldest pending row (0 when there is none).
+SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) AS age
+  FROM {table}
+ WHERE status = 'pending';
+
+-- name: list_dead
+-- Dead rows, newest first.
+SELECT id, topic, key, attempts, error_kind, last_error, created_at
+  FROM {table}
+ WHERE status = 'dead'
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic)
+ ORDER BY seq DESC
+ LIMIT :limit;
+
+-- name: show_message
+-- One row, whole.
+SELECT id, seq, shard, topic, key, value, content_type, header_names, header_values,
+       idempotency_key, status, attempts, next_attempt_at, lease_owner, lease_until,
+       error_kind, last_error, created_at, sent_at, kafka_partition, kafka_offset
+  FROM {table}
+ WHERE id = :id;
+
+-- name: retry_dead
+-- Put dead rows back to pending (all, one topic, or the given ids), with a fresh attempt count.
+UPDATE {table}
+   SET status = 'pending', attempts = 0, next_attempt_at = NULL, error_kind = NULL,
+       last_error = NULL, lease_owner = NULL, lease_until = NULL
+ WHERE status = 'dead'
+   AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic);
+
+-- name: purge_dead
+-- Delete dead rows (all, one topic, or the given ids).
+DELETE FROM {table}
+ WHERE status = 'dead'
+   AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic);

@@ -1,0 +1,105 @@
+"""Shard ownership through PostgreSQL session advisory locks.
+
+Each relay keeps one autocommit connection (it also LISTENs for the commit-time NOTIFY on
+it). On it the relay holds a *member* lock, so that relays can count each other in
+``pg_locks``, and one lock per shard it owns. A relay that dies loses its connection, and
+PostgreSQL drops its locks at once: the other relays take its shards over within one
+rebalance interval. TCP keepalives bound how long a silently vanished relay can hold them.
+
+Rebalancing is simple and converges: with ``m`` live members each relay aims at
+``ceil(shards / m)``; it lets go of shards above that and tries to lock free ones below it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import psycopg
+
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
+
+log = logging.getLogger(__name__)
+
+
+def lock_space(spec: OutboxTableSpec, purpose: str) -> int:
+    """A positive int4 naming the advisory locks of one outbox table and purpose."""
+    return zlib.crc32(f"outbox:{purpose}:{spec.qualified_name}".encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class ShardOwnership:
+    """The shards this relay owns, kept on ``conn`` (autocommit, owned by the caller)."""
+
+    conn: psycopg.Connection
+    spec: OutboxTableSpec
+    member_number: int
+    shard_count: int = SHARD_COUNT
+    owned: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._shards_key = lock_space(self.spec, "shard")
+        self._members_key = lock_space(self.spec, "member")
+
+    def join(self) -> None:
+        """Take the member lock (counted by everyone's rebalance)."""
+        self.conn.execute(
+            "SELECT pg_advisory_lock(%s, %s)", (self._members_key, self.member_number)
+        )
+
+    def members(self) -> int:
+        row = self.conn.execute(
+            "SELECT count(DISTINCT pid) FROM pg_locks "
+            "WHERE locktype = 'advisory' AND granted AND objsubid = 2 "
+            "AND classid = %s::bigint::oid "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (self._members_key,),
+        ).fetchone()
+        return max(1, int(row[0]) if row else 1)
+
+    def rebalance(self) -> tuple[list[int], list[int]]:
+        """Let go of shards above this relay's share, lock free ones below it.
+
+        Returns (gained, lost). Call it only between batches: a lost shard must have no
+        batch in flight.
+        """
+        target = math.ceil(self.shard_count / self.members())
+        lost: list[int] = []
+        while len(self.owned) > target:
+            shard = max(self.owned)
+            self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._shards_key, shard))
+            self.owned.discard(shard)
+            lost.append(shard)
+        gained: list[int] = []
+        if len(self.owned) < target:
+            # Start at a member-specific shard so that relays starting together collide less.
+            start = self.member_number % self.shard_count
+            for step in range(self.shard_count):
+                if len(self.owned) >= target:
+                    break
+                shard = (start + step) % self.shard_count
+                if shard in self.owned:
+                    continue
+                row = self.conn.execute(
+                    "SELECT pg_try_advisory_lock(%s, %s)", (self._shards_key, shard)
+                ).fetchone()
+                if row and row[0]:
+                    self.owned.add(shard)
+                    gained.append(shard)
+        return sorted(gained), sorted(lost)
+
+    def release_all(self) -> list[int]:
+        """Unlock every shard (clean shutdown); the connection stays open."""
+        released = sorted(self.owned)
+        for shard in released:
+            self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._shards_key, shard))
+        self.owned.clear()
+        return released
+
+    def forget(self) -> list[int]:
+        """The connection is gone, and with it every lock: own nothing."""
+        lost = sorted(self.owned)
+        self.owned.clear()
+        return lost

@@ -1,0 +1,96 @@
+"""Exactly-once progress records: what each shard's last committed Kafka transaction held.
+
+Every exactly-once batch of a shard is one Kafka transaction holding the data records *and*
+one progress record on the progress topic (partition = shard), listing each message id with
+the partition and offset it got. A new owner of the shard first fences the old producer
+(``init_transactions``), then reads the newest committed progress record and marks those rows
+sent: a crash between "Kafka committed" and "rows marked sent" never republishes them.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from outbox.schema import SHARD_COUNT
+from relay.store import Ack
+
+#: How far back to look for the newest committed progress record, doubling each time.
+_FIRST_LOOKBACK = 16
+
+
+def encode_progress(shard: int, owner: str, acks: list[Ack]) -> bytes:
+    return orjson.dumps(
+        {
+            "shard": shard,
+            "owner": owner,
+            "acks": [[str(a.id), a.partition, a.offset] for a in acks],
+        }
+    )
+
+
+def decode_progress(value: bytes) -> list[Ack]:
+    body = orjson.loads(value)
+    return [Ack(uuid.UUID(i), int(p), int(o)) for i, p, o in body["acks"]]
+
+
+def ensure_progress_topic(admin: AdminClient, topic: str, replication_factor: int = -1) -> None:
+    """Create the progress topic (one partition per shard, compacted) unless it exists."""
+    if topic in admin.list_topics(timeout=15).topics:
+        return
+    new = NewTopic(
+        topic,
+        num_partitions=SHARD_COUNT,
+        replication_factor=replication_factor,
+        config={"cleanup.policy": "compact"},
+    )
+    try:
+        admin.create_topics([new], operation_timeout=30)[topic].result(30)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:  # another relay was first
+            raise
+
+
+def last_committed(consumer: Consumer, topic: str, shard: int, timeout: float = 15.0) -> list[Ack]:
+    """The acks of the newest committed progress record of ``shard`` (empty if none).
+
+    ``consumer`` must be ``read_committed``; call this after ``init_transactions`` of the
+    shard's producer, so no transaction of an earlier owner is still open.
+    """
+    low, high = consumer.get_watermark_offsets(TopicPartition(topic, shard), timeout=timeout)
+    lookback = _FIRST_LOOKBACK
+    while True:
+        start = max(low, high - lookback)
+        found = _newest_between(consumer, topic, shard, start, high, timeout)
+        if found is not None or start == low:
+            return found or []
+        lookback *= 2
+
+
+def _newest_between(
+    consumer: Consumer, topic: str, shard: int, start: int, end: int, timeout: float
+) -> list[Ack] | None:
+    if start >= end:
+        return None
+    consumer.assign([TopicPartition(topic, shard, start)])
+    newest: list[Ack] | None = None
+    try:
+        while True:
+            message = consumer.poll(timeout)
+            if message is None:
+                raise TimeoutError(f"no progress records from {topic}[{shard}] in {timeout}s")
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    return newest
+                raise KafkaException(error)
+            value = message.value()
+            if value is not None:
+                newest = decode_progress(value)
+            if message.offset() is not None and message.offset() >= end - 1:
+                return newest
+    finally:
+        consumer.unassign()

@@ -1,0 +1,167 @@
+"""Every database operation of the relay: the loop never sees SQL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox.queries import Queries
+from outbox.records import OutboxRecord
+from outbox.schema import OutboxTableSpec
+from relay.policy import UNDECODABLE
+
+
+@dataclass(frozen=True)
+class Leased:
+    """A leased row: the record to produce, or why it cannot be one."""
+
+    id: uuid.UUID
+    shard: int
+    attempts: int
+    record: OutboxRecord | None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Ack:
+    id: uuid.UUID
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    id: uuid.UUID
+    kind: str
+    error: str
+    delay: float | None  # seconds until the next attempt; None makes the row dead
+
+
+class RelayStore:
+    """Named queries of ``outbox/sql/queries.sql`` run for one relay (``owner``)."""
+
+    def __init__(self, engine: sa.Engine, spec: OutboxTableSpec, owner: str) -> None:
+        self.engine = engine
+        self.queries = Queries(spec)
+        self.owner = owner
+
+    def lease_batch(
+        self, shards: Sequence[int], batch_size: int, lease_seconds: float
+    ) -> list[Leased]:
+        """Lease the next rows of ``shards`` in order, then drop any that would overtake an
+        earlier row of their key held elsewhere (possible only while shards change hands)."""
+        if not shards:
+            return []
+        window = max(100, 2 * batch_size // len(shards))
+        with self.engine.begin() as conn:
+            rows = (
+                conn.execute(
+                    self.queries["lease_batch"],
+                    {
+                        "shards": list(shards),
+                        "window": window,
+                        "batch_size": batch_size,
+                        "owner": self.owner,
+                        "lease_seconds": lease_seconds,
+                    },
+                )
+                .mappings()
+                .all()
+            )
+        if not rows:
+            return []
+        ids = [row["id"] for row in rows]
+        with self.engine.begin() as conn:
+            blocked = set(
+                conn.execute(
+                    self.queries["leased_behind_earlier"], {"ids": ids, "owner": self.owner}
+                ).scalars()
+            )
+            if blocked:
+                conn.execute(self.queries["release"], {"ids": list(blocked), "owner": self.owner})
+        return [_leased(row) for row in sorted(rows, key=lambda r: r["seq"]) if row["id"] not in blocked]
+
+    def record_outcome(self, acks: Sequence[Ack], failures: Sequence[Failure]) -> None:
+        """Mark acknowledged rows sent and failed ones for retry or dead, in one transaction."""
+        retry = [f for f in failures if f.delay is not None]
+        dead = [f for f in failures if f.delay is None]
+        with self.engine.begin() as conn:
+            if acks:
+                conn.execute(
+                    self.queries["mark_sent"],
+                    {
+                        "ids": [a.id for a in acks],
+                        "partitions": [a.partition for a in acks],
+                        "offsets": [a.offset for a in acks],
+                        "owner": self.owner,
+                    },
+                )
+            if retry:
+                conn.execute(
+                    self.queries["mark_retry"],
+                    {
+                        "ids": [f.id for f in retry],
+                        "delays": [f.delay for f in retry],
+                        "kinds": [f.kind for f in retry],
+                        "errors": [f.error[:2000] for f in retry],
+                        "owner": self.owner,
+                    },
+                )
+            if dead:
+                conn.execute(
+                    self.queries["mark_dead"],
+                    {
+                        "ids": [f.id for f in dead],
+                        "kinds": [f.kind for f in dead],
+                        "errors": [f.error[:2000] for f in dead],
+                        "owner": self.owner,
+                    },
+                )
+
+    def release(self, ids: Sequence[uuid.UUID]) -> None:
+        """Give leased rows back untouched (shutdown, or a batch not attempted)."""
+        if ids:
+            with self.engine.begin() as conn:
+                conn.execute(self.queries["release"], {"ids": list(ids), "owner": self.owner})
+
+    def mark_committed(self, acks: Sequence[Ack]) -> int:
+        """Exactly-once recovery: mark rows whose Kafka transaction is known committed."""
+        if not acks:
+            return 0
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                self.queries["mark_sent_unleased"],
+                {
+                    "ids": [a.id for a in acks],
+                    "partitions": [a.partition for a in acks],
+                    "offsets": [a.offset for a in acks],
+                },
+            )
+        return int(result.rowcount)
+
+    def break_leases(self, shards: Sequence[int]) -> int:
+        """A new owner of ``shards`` takes back what earlier relay owners had leased."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                self.queries["break_relay_leases"], {"shards": list(shards), "owner": self.owner}
+            )
+        return int(result.rowcount)
+
+    def oldest_pending_age(self) -> float:
+        with self.engine.connect() as conn:
+            return float(conn.execute(self.queries["oldest_pending"]).scalar_one())
+
+
+def _leased(row: Any) -> Leased:
+    try:
+        record: OutboxRecord | None = OutboxRecord.from_row(dict(row))
+        problem = None
+    except (ValueError, TypeError, UnicodeError) as error:
+        record, problem = None, f"{UNDECODABLE}: {error}"
+    return Leased(
+        id=row["id"], shard=row["shard"], attempts=row["attempts"], record=record, problem=problem
+    )
