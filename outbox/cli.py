@@ -120,6 +120,257 @@ def purge(database_url: str, schema: str, table: str, older_than: str, batch_siz
     click.echo(f"deleted {deleted} sent rows older than {older_than}")
 
 
+@main.command()
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.option(
+    "--bootstrap-servers",
+    envvar="OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+    required=True,
+    help="Kafka bootstrap servers [env: OUTBOX_KAFKA_BOOTSTRAP_SERVERS]",
+)
+@click.option(
+    "-X",
+    "--kafka",
+    "kafka_settings",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A Kafka client setting, e.g. -X security.protocol=SASL_SSL (repeatable). "
+    "OUTBOX_KAFKA_<NAME> variables work too: OUTBOX_KAFKA_SASL_PASSWORD -> sasl.password.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["at-least-once", "exactly-once"]),
+    default="at-least-once",
+    show_default=True,
+    envvar="OUTBOX_RELAY_MODE",
+)
+@click.option("--batch-size", default=1000, show_default=True, envvar="OUTBOX_RELAY_BATCH_SIZE")
+@click.option(
+    "--poll-interval",
+    default=1.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_POLL_INTERVAL",
+    help="Seconds between polls when no NOTIFY arrives.",
+)
+@click.option("--max-attempts", default=12, show_default=True, envvar="OUTBOX_RELAY_MAX_ATTEMPTS")
+@click.option("--backoff-base", default=0.5, show_default=True, envvar="OUTBOX_RELAY_BACKOFF_BASE")
+@click.option("--backoff-max", default=300.0, show_default=True, envvar="OUTBOX_RELAY_BACKOFF_MAX")
+@click.option(
+    "--delivery-timeout-ms",
+    default=60_000,
+    show_default=True,
+    envvar="OUTBOX_RELAY_DELIVERY_TIMEOUT_MS",
+    help="How long Kafka may take to acknowledge one attempt.",
+)
+@click.option(
+    "--lease-seconds", default=120.0, show_default=True, envvar="OUTBOX_RELAY_LEASE_SECONDS"
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    envvar="OUTBOX_RELAY_METRICS_PORT",
+    help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--transactional-id-prefix", default=None, envvar="OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX"
+)
+@click.option("--progress-topic", default=None, envvar="OUTBOX_RELAY_PROGRESS_TOPIC")
+@click.option("--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL")
+def relay(
+    database_url: str,
+    schema: str,
+    table: str,
+    bootstrap_servers: str,
+    kafka_settings: tuple[str, ...],
+    mode: str,
+    batch_size: int,
+    poll_interval: float,
+    max_attempts: int,
+    backoff_base: float,
+    backoff_max: float,
+    delivery_timeout_ms: int,
+    lease_seconds: float,
+    metrics_port: int | None,
+    metrics_host: str,
+    transactional_id_prefix: str | None,
+    progress_topic: str | None,
+    log_level: str,
+) -> None:
+    """Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT)."""
+    from relay.config import RelayConfig, kafka_config_from_env
+    from relay.daemon import Relay
+    from relay.observability import configure_logging
+    from relay.policy import RetryPolicy
+
+    configure_logging(log_level)
+    kafka = {**kafka_config_from_env(), "bootstrap.servers": bootstrap_servers}
+    for setting in kafka_settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint="-X")
+        kafka[key.strip()] = value
+    try:
+        config = RelayConfig(
+            database_url=database_url,
+            kafka=kafka,
+            spec=_spec(schema, table),
+            mode=mode,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            lease_seconds=lease_seconds,
+            delivery_timeout_ms=delivery_timeout_ms,
+            retry=RetryPolicy(max_attempts, backoff_base, backoff_max),
+            transactional_id_prefix=transactional_id_prefix,
+            progress_topic=progress_topic,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+        )
+        _run_db_step(_check_relay_access(config))
+    except (OutboxError, ValueError) as exc:
+        raise click.ClickException(_redact(str(exc))) from exc
+    daemon = Relay(config)
+    daemon.install_signal_handlers()
+    sys.exit(daemon.run())
+
+
+def _check_relay_access(config: object) -> Callable[[], None]:
+    """Fail fast, in one line, when the database or the table is out of reach."""
+
+    def check() -> None:
+        import sqlalchemy as sa
+
+        from relay.config import RelayConfig
+
+        assert isinstance(config, RelayConfig)
+        engine = sa.create_engine(config.database_url, connect_args={"connect_timeout": 10})
+        try:
+            with engine.connect() as conn:
+                spec = config.spec
+                row = conn.execute(
+                    sa.text(
+                        "SELECT t.oid IS NOT NULL, CASE WHEN t.oid IS NULL THEN false ELSE "
+                        "has_table_privilege(t.oid, 'SELECT, UPDATE') END "
+                        "FROM (SELECT to_regclass(:name) AS oid) AS t"
+                    ),
+                    {"name": spec.qualified_name},
+                ).one()
+        finally:
+            engine.dispose()
+        if not row[0]:
+            raise OutboxError(
+                f"table {spec.qualified_name} does not exist: run `outbox db upgrade`"
+            )
+        if not row[1]:
+            raise OutboxError(
+                f"role {sa.make_url(config.database_url).username} needs SELECT and UPDATE "
+                f"on {spec.qualified_name} (see docs/relay.md, 'Database role')"
+            )
+
+    return check
+
+
+@main.group()
+def dead() -> None:
+    """Inspect, retry and purge messages the relay gave up on."""
+
+
+def _dead_store(database_url: str, schema: str, table: str):  # type: ignore[no-untyped-def]
+    import sqlalchemy as sa
+
+    from outbox.queries import Queries
+
+    return sa.create_engine(database_url), Queries(_spec(schema, table))
+
+
+@dead.command("list")
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.option("--topic", default=None)
+@click.option("--limit", default=50, show_default=True)
+def dead_list(database_url: str, schema: str, table: str, topic: str | None, limit: int) -> None:
+    """List dead messages, newest first."""
+    engine, queries = _dead_store(database_url, schema, table)
+
+    def run() -> None:
+        with engine.connect() as conn:
+            rows = conn.execute(queries["list_dead"], {"topic": topic, "limit": limit}).all()
+        for row in rows:
+            key = row.key.decode(errors="replace") if row.key is not None else "-"
+            click.echo(
+                f"{row.id}  {row.topic}  key={key}  attempts={row.attempts}  "
+                f"{row.error_kind}: {(row.last_error or '')[:120]}"
+            )
+        click.echo(f"{len(rows)} dead message(s)")
+
+    _run_db_step(run)
+    engine.dispose()
+
+
+@dead.command("show")
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.argument("message_id", type=click.UUID)
+def dead_show(database_url: str, schema: str, table: str, message_id: object) -> None:
+    """Show one message, every column."""
+    engine, queries = _dead_store(database_url, schema, table)
+
+    def run() -> None:
+        with engine.connect() as conn:
+            row = conn.execute(queries["show_message"], {"id": message_id}).mappings().first()
+        if row is None:
+            raise OutboxError(f"no message {message_id}")
+        for name, value in row.items():
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            click.echo(f"{name:>16}  {value}")
+
+    _run_db_step(run)
+    engine.dispose()
+
+
+def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
+    @DATABASE_URL
+    @SCHEMA
+    @TABLE
+    @click.option("--topic", default=None, help="Only this topic's dead messages.")
+    @click.option("--all", "everything", is_flag=True, help="Every dead message.")
+    @click.argument("message_ids", nargs=-1, type=click.UUID)
+    def command(
+        database_url: str,
+        schema: str,
+        table: str,
+        topic: str | None,
+        everything: bool,
+        message_ids: tuple[object, ...],
+    ) -> None:
+        if not (message_ids or topic or everything):
+            raise click.UsageError("name message ids, or pass --topic or --all")
+        engine, queries = _dead_store(database_url, schema, table)
+
+        def run() -> int:
+            with engine.begin() as conn:
+                params = {"ids": list(message_ids) or None, "topic": topic}
+                return int(conn.execute(queries[query], params).rowcount)
+
+        count = _run_db_step(run)
+        engine.dispose()
+        click.echo(f"{verb} {count} dead message(s)")
+
+    return command
+
+
+dead.command("retry", help="Put dead messages back to pending, with a fresh attempt count.")(
+    _dead_bulk("retry_dead", "requeued")
+)
+dead.command("purge", help="Delete dead messages.")(_dead_bulk("purge_dead", "deleted"))
+
+
 @main.group()
 def dev() -> None:
     """The local stack: PostgreSQL + Apache Kafka (KRaft) + Spark jars on 127.0.0.1."""

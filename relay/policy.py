@@ -10,7 +10,7 @@ from confluent_kafka import KafkaError
 # Errors no retry can cure: the row goes straight to the dead state with the reason.
 PERMANENT_ERRORS: dict[int, str] = {
     KafkaError.MSG_SIZE_TOO_LARGE: "message_too_large",
-    KafkaError._MSG_SIZE_TOO_LARGE: "message_too_large",
+    KafkaError.INVALID_MSG_SIZE: "message_too_large",
     KafkaError.RECORD_LIST_TOO_LARGE: "message_too_large",
     KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown_topic",
     KafkaError._UNKNOWN_TOPIC: "unknown_topic",
@@ -19,7 +19,8 @@ PERMANENT_ERRORS: dict[int, str] = {
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "unauthorized",
     KafkaError.TOPIC_EXCEPTION: "invalid_topic",
     KafkaError.INVALID_RECORD: "invalid_record",
-    KafkaError.CORRUPT_MESSAGE: "invalid_record",
+    KafkaError.INVALID_MSG: "invalid_record",
+    KafkaError._BAD_MSG: "invalid_record",
     KafkaError.INVALID_REQUIRED_ACKS: "invalid_record",
     KafkaError._INVALID_ARG: "invalid_record",
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -70,7 +71,7 @@ def _produce_all(
                     value=record.value,
                     key=record.key,
                     headers=record.kafka_headers,
-                    on_delivery=lambda err, msg, rid=record.id: report(rid, err, msg),
+                    on_delivery=functools.partial(report, record.id),
                 )
                 pending += 1
                 break

@@ -13,7 +13,7 @@ import uuid
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox.schema import SHARD_COUNT
 from relay.store import Ack
@@ -90,7 +90,8 @@ def _newest_between(
             value = message.value()
             if value is not None:
                 newest = decode_progress(value)
-            if message.offset() is not None and message.offset() >= end - 1:
+            offset = message.offset()
+            if offset is not None and offset >= end - 1:
                 return newest
     finally:
         consumer.unassign()

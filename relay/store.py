@@ -5,13 +5,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from outbox.queries import Queries
 from outbox.records import OutboxRecord
-from outbox.schema import OutboxTableSpec
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from relay.policy import UNDECODABLE
 
 
@@ -22,6 +23,7 @@ class Leased:
     id: uuid.UUID
     shard: int
     attempts: int
+    created_at: datetime
     record: OutboxRecord | None
     problem: str | None = None
 
@@ -83,7 +85,9 @@ class RelayStore:
             )
             if blocked:
                 conn.execute(self.queries["release"], {"ids": list(blocked), "owner": self.owner})
-        return [_leased(row) for row in sorted(rows, key=lambda r: r["seq"]) if row["id"] not in blocked]
+        return [
+            _leased(row) for row in sorted(rows, key=lambda r: r["seq"]) if row["id"] not in blocked
+        ]
 
     def record_outcome(self, acks: Sequence[Ack], failures: Sequence[Failure]) -> None:
         """Mark acknowledged rows sent and failed ones for retry or dead, in one transaction."""
@@ -152,8 +156,10 @@ class RelayStore:
         return int(result.rowcount)
 
     def oldest_pending_age(self) -> float:
+        """Seconds since the oldest pending row was written (one index probe per shard)."""
         with self.engine.connect() as conn:
-            return float(conn.execute(self.queries["oldest_pending"]).scalar_one())
+            query = self.queries["oldest_pending"]
+            return float(conn.execute(query, {"shard_count": SHARD_COUNT}).scalar_one())
 
 
 def _leased(row: Any) -> Leased:
@@ -163,5 +169,10 @@ def _leased(row: Any) -> Leased:
     except (ValueError, TypeError, UnicodeError) as error:
         record, problem = None, f"{UNDECODABLE}: {error}"
     return Leased(
-        id=row["id"], shard=row["shard"], attempts=row["attempts"], record=record, problem=problem
+        id=row["id"],
+        shard=row["shard"],
+        attempts=row["attempts"],
+        created_at=row["created_at"],
+        record=record,
+        problem=problem,
     )

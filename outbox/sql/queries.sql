@@ -161,10 +161,15 @@ UPDATE {table}
    AND lease_owner <> :owner;
 
 -- name: oldest_pending
--- Age in seconds of the oldest pending row (0 when there is none).
-SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) AS age
-  FROM {table}
- WHERE status = 'pending';
+-- Age in seconds of the oldest pending row (0 when there is none); one index probe per shard.
+SELECT coalesce(extract(epoch FROM now() - min(first.created_at)), 0) AS age
+  FROM generate_series(0, :shard_count - 1) AS s (shard)
+ CROSS JOIN LATERAL (
+       SELECT p.created_at
+         FROM {table} AS p
+        WHERE p.status = 'pending' AND p.shard = s.shard
+        ORDER BY p.seq
+        LIMIT 1) AS first;
 
 -- name: list_dead
 -- Dead rows, newest first.

@@ -1,0 +1,87 @@
+"""The relay's settings, validated in one place."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from outbox.errors import ConfigError
+from outbox.schema import OutboxTableSpec
+from relay.policy import RetryPolicy
+
+AT_LEAST_ONCE = "at-least-once"
+EXACTLY_ONCE = "exactly-once"
+
+#: Environment variables OUTBOX_KAFKA_<NAME> become Kafka settings: OUTBOX_KAFKA_SASL_PASSWORD
+#: -> sasl.password. Dots are underscores; a double underscore stands for a literal one.
+KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_"
+
+_SECRET_KEYS = re.compile(r"(password|secret|token|credential|private|key\.pem)", re.IGNORECASE)
+
+
+def kafka_config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    environ = os.environ if environ is None else environ
+    config = {}
+    for name, value in environ.items():
+        if name.startswith(KAFKA_ENV_PREFIX) and name != "OUTBOX_KAFKA_BOOTSTRAP_SERVERS":
+            key = name[len(KAFKA_ENV_PREFIX) :].lower().replace("__", "\0").replace("_", ".")
+            config[key.replace("\0", "_")] = value
+    return config
+
+
+def masked_kafka_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every secret-looking value replaced, for logs."""
+    return {key: "***" if _SECRET_KEYS.search(key) else value for key, value in config.items()}
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """Everything ``outbox relay`` needs; see ``outbox relay --help``."""
+
+    database_url: str
+    kafka: dict[str, Any]
+    spec: OutboxTableSpec = field(default_factory=OutboxTableSpec)
+    mode: str = AT_LEAST_ONCE
+    batch_size: int = 1000
+    poll_interval: float = 1.0
+    rebalance_interval: float = 1.0
+    lease_seconds: float = 120.0
+    delivery_timeout_ms: int = 60_000
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    transactional_id_prefix: str | None = None
+    progress_topic: str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in (AT_LEAST_ONCE, EXACTLY_ONCE):
+            raise ConfigError(f"mode must be {AT_LEAST_ONCE} or {EXACTLY_ONCE}, got {self.mode!r}")
+        if not self.kafka.get("bootstrap.servers"):
+            raise ConfigError("Kafka bootstrap servers are required (--bootstrap-servers)")
+        if not 1 <= self.batch_size <= 50_000:
+            raise ConfigError("batch size must be between 1 and 50000")
+        if self.poll_interval <= 0 or self.rebalance_interval <= 0:
+            raise ConfigError("poll and rebalance intervals must be positive")
+        if self.lease_seconds * 1000 <= self.delivery_timeout_ms + 10_000:
+            raise ConfigError("lease must outlast the delivery timeout by at least 10 s")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics port must be between 0 and 65535")
+        for forbidden in ("transactional.id", "enable.idempotence", "acks"):
+            if forbidden in self.kafka:
+                raise ConfigError(f"Kafka setting {forbidden!r} is managed by the relay")
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.mode == EXACTLY_ONCE
+
+    @property
+    def transactional_prefix(self) -> str:
+        return self.transactional_id_prefix or f"outbox-relay.{self.spec.qualified_name}"
+
+    @property
+    def progress_topic_name(self) -> str:
+        return self.progress_topic or f"outbox-progress.{self.spec.qualified_name}"

@@ -1,0 +1,314 @@
+"""The relay loop: wait for work, lease a batch, publish it, record the outcome.
+
+One thread does it all, in this order, so that shard ownership only ever changes between
+batches. Shutdown (SIGTERM/SIGINT) stops leasing, lets the batch in hand finish and be
+recorded, releases the shards and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from types import FrameType
+
+import psycopg
+import sqlalchemy as sa
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+from sqlalchemy import exc as sa_exc
+
+from outbox.records import OutboxRecord
+from relay.config import RelayConfig
+from relay.observability import HealthState, RelayMetrics, mask_secrets, serve
+from relay.ownership import ShardOwnership
+from relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
+from relay.producers import AtLeastOncePublisher, BatchPublisher, ExactlyOncePublisher
+from relay.progress import ensure_progress_topic
+from relay.store import Ack, Failure, Leased, RelayStore
+
+log = logging.getLogger("outbox.relay")
+
+#: Seconds between refreshes of the oldest-pending gauge.
+GAUGE_INTERVAL = 5.0
+#: Longest pause after the database or Kafka failed, before trying again.
+MAX_ERROR_PAUSE = 10.0
+
+
+class Relay:
+    """One relay instance. ``run()`` blocks until :meth:`stop` (or a signal) and returns 0."""
+
+    def __init__(self, config: RelayConfig, metrics: RelayMetrics | None = None) -> None:
+        self.config = config
+        self.owner = f"relay-{uuid.uuid4()}"
+        self.engine = sa.create_engine(config.database_url, pool_size=2, pool_pre_ping=True)
+        self.store = RelayStore(self.engine, config.spec, self.owner)
+        self.metrics = metrics or RelayMetrics()
+        self.health = HealthState(stale_after=max(30.0, 5 * config.poll_interval))
+        self._stop = threading.Event()
+        self._conn: psycopg.Connection | None = None
+        self._ownership: ShardOwnership | None = None
+        self._publisher: BatchPublisher | None = None
+        self._next_rebalance = 0.0
+        self._next_gauge = 0.0
+        self.batches = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to finish the batch in hand and exit."""
+        self._stop.set()
+        self.health.stopping = True
+
+    def install_signal_handlers(self) -> None:
+        def handle(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %s: finishing the batch in hand, then stopping", signum)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def run(self) -> int:
+        server = None
+        if self.config.metrics_port is not None:
+            server = serve(
+                self.config.metrics_host, self.config.metrics_port, self.metrics, self.health
+            )
+            log.info(
+                "metrics and health on http://%s:%d", self.config.metrics_host, server.server_port
+            )
+        log.info(
+            "relay %s starting: %s, table %s, batch %d",
+            self.owner,
+            self.config.mode,
+            self.config.spec.qualified_name,
+            self.config.batch_size,
+        )
+        pause = 0.5
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._connect()
+                    self._maybe_rebalance()
+                    handled = self._cycle()
+                    self.health.tick()
+                    pause = 0.5
+                    if handled < self.config.batch_size:
+                        self._wait_for_work()
+                except (
+                    psycopg.OperationalError,
+                    sa_exc.OperationalError,
+                    sa_exc.InterfaceError,
+                ) as error:
+                    self._lost_database(error)
+                    self._stop.wait(pause)
+                    pause = min(MAX_ERROR_PAUSE, pause * 2)
+                except KafkaException as error:
+                    log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), pause)
+                    self._stop.wait(pause)
+                    pause = min(MAX_ERROR_PAUSE, pause * 2)
+        finally:
+            self._shutdown()
+            if server is not None:
+                server.shutdown()
+        return 0
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def _cycle(self) -> int:
+        """Lease one batch of the owned shards, publish it, record what happened."""
+        assert self._ownership is not None and self._publisher is not None
+        shards = sorted(self._ownership.owned)
+        if not shards:
+            return 0
+        started = time.monotonic()
+        batch = self.store.lease_batch(shards, self.config.batch_size, self.config.lease_seconds)
+        if not batch:
+            return 0
+        records = [leased.record for leased in batch if leased.record is not None]
+        result = self._publisher.publish(records)
+        acked_at = datetime.now(UTC)
+        failures = [
+            Failure(leased.id, UNDECODABLE, leased.problem or UNDECODABLE, None)
+            for leased in batch
+            if leased.record is None
+        ]
+        by_id = {leased.id: leased for leased in batch}
+        for record_id, error in result.errors.items():
+            failures.append(self._failure(by_id[record_id], classify(error), error.str()))
+        self.store.record_outcome(result.acks, failures)
+        self.store.release(result.not_attempted)
+        for shard in result.fenced:
+            log.warning(
+                "shard %d fenced by another relay; letting it go", shard, extra={"shard": shard}
+            )
+            self._ownership.owned.discard(shard)
+            self._publisher.let_go([shard])
+        self._observe(batch, records, result.acks, failures, acked_at, time.monotonic() - started)
+        self.batches += 1
+        return len(batch)
+
+    def _failure(self, leased: Leased, kind: str, error: str) -> Failure:
+        if kind == RETRIABLE and not self.config.retry.gives_up(leased.attempts):
+            return Failure(leased.id, RETRIABLE, error, self.config.retry.delay(leased.attempts))
+        return Failure(leased.id, ATTEMPTS_EXHAUSTED if kind == RETRIABLE else kind, error, None)
+
+    def _observe(
+        self,
+        batch: Sequence[Leased],
+        records: Sequence[OutboxRecord],
+        acks: Sequence[Ack],
+        failures: Sequence[Failure],
+        acked_at: datetime,
+        seconds: float,
+    ) -> None:
+        topics = {record.id: record.topic for record in records}
+        created = {leased.id: leased.created_at for leased in batch}
+        for topic, count in Counter(topics[a.id] for a in acks).items():
+            self.metrics.published.labels(topic).inc(count)
+        for ack in acks:
+            self.metrics.commit_to_ack.observe((acked_at - created[ack.id]).total_seconds())
+        for failure in failures:
+            topic = topics.get(failure.id, "?")
+            if failure.delay is None:
+                self.metrics.dead.labels(topic, failure.kind).inc()
+                log.error(
+                    "message dead: %s",
+                    failure.error,
+                    extra={"message_id": str(failure.id), "topic": topic, "reason": failure.kind},
+                )
+            else:
+                self.metrics.retried.labels(topic).inc()
+                log.warning(
+                    "message will be retried in %.1fs: %s",
+                    failure.delay,
+                    failure.error,
+                    extra={"message_id": str(failure.id), "topic": topic},
+                )
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.batch_seconds.observe(seconds)
+
+    def _wait_for_work(self) -> None:
+        """Sleep until a commit NOTIFY arrives, the poll interval passes, or a stop."""
+        assert self._conn is not None
+        timeout = min(self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic()))
+        for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+            pass
+        for _ in self._conn.notifies(timeout=0):  # fold the wake-ups that queued meanwhile
+            pass
+
+    def _connect(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            return
+        url = sa.make_url(self.config.database_url)
+        self._conn = psycopg.connect(
+            host=url.host or "localhost",
+            port=url.port or 5432,
+            user=url.username,
+            password=url.password,
+            dbname=url.database,
+            autocommit=True,
+            connect_timeout=10,
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+            application_name=self.owner[:63],
+        )
+        # The server, too, should notice a vanished relay quickly and drop its locks.
+        self._conn.execute("SET tcp_keepalives_idle = 5")
+        self._conn.execute("SET tcp_keepalives_interval = 2")
+        self._conn.execute("SET tcp_keepalives_count = 3")
+        self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
+        self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
+        self._ownership.join()
+        if self._publisher is None:
+            self._publisher = self._make_publisher()
+        self.health.database_ok = True
+        self._next_rebalance = 0.0
+        log.info("connected; listening on %s", self.config.spec.notify_channel)
+
+    def _make_publisher(self) -> BatchPublisher:
+        if not self.config.exactly_once:
+            return AtLeastOncePublisher(self.config.kafka, self.config.delivery_timeout_ms)
+        admin = AdminClient(
+            {
+                k: v
+                for k, v in self.config.kafka.items()
+                if not k.startswith(("linger", "compression"))
+            }
+        )
+        ensure_progress_topic(admin, self.config.progress_topic_name)
+        return ExactlyOncePublisher(
+            self.config.kafka,
+            transactional_id_prefix=self.config.transactional_prefix,
+            progress_topic=self.config.progress_topic_name,
+            owner=self.owner,
+            delivery_timeout_ms=self.config.delivery_timeout_ms,
+        )
+
+    def _maybe_rebalance(self) -> None:
+        now = time.monotonic()
+        if now < self._next_rebalance:
+            return
+        assert self._ownership is not None and self._publisher is not None
+        self._next_rebalance = now + self.config.rebalance_interval
+        gained, lost = self._ownership.rebalance()
+        if lost:
+            self._publisher.let_go(lost)
+            log.info("released shards %s", lost)
+        if gained:
+            self._take_over(gained)
+        self.metrics.owned_shards.set(len(self._ownership.owned))
+        if now >= self._next_gauge:
+            self._next_gauge = now + GAUGE_INTERVAL
+            self.metrics.oldest_pending.set(self.store.oldest_pending_age())
+
+    def _take_over(self, shards: list[int]) -> None:
+        assert self._publisher is not None
+        recovered = self._publisher.take_over(shards)
+        marked = self.store.mark_committed(recovered)
+        broken = self.store.break_leases(shards)
+        log.info(
+            "took over shards %s (%d rows marked sent from committed progress, "
+            "%d leases taken back)",
+            shards,
+            marked,
+            broken,
+        )
+
+    def _lost_database(self, error: Exception) -> None:
+        log.error("database unreachable: %s", mask_secrets(str(error).splitlines()[0]))
+        self.health.database_ok = False
+        if self._ownership is not None:
+            lost = self._ownership.forget()
+            if lost and self._publisher is not None:
+                self._publisher.let_go(lost)
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+        self.metrics.owned_shards.set(0)
+
+    def _shutdown(self) -> None:
+        released: list[int] = []
+        try:
+            if self._ownership is not None and self._conn is not None and not self._conn.closed:
+                released = self._ownership.release_all()
+        except psycopg.Error:
+            pass  # the locks go with the connection anyway
+        if self._publisher is not None:
+            self._publisher.close()
+        if self._conn is not None:
+            self._conn.close()
+        self.engine.dispose()
+        log.info(
+            "relay %s stopped after %d batches; released shards %s",
+            self.owner,
+            self.batches,
+            released,
+        )

@@ -1,0 +1,144 @@
+"""Prometheus metrics, the health endpoints and structured (JSON) logs, with secrets masked."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")
+_KEYWORD_SECRET = re.compile(
+    r"((?:password|passwd|secret|sasl\.password|token)\s*[=:]\s*)(\S+)", re.IGNORECASE
+)
+
+
+def mask_secrets(text: str) -> str:
+    """Hide passwords in URLs (``user:***@host``) and ``password=...`` pairs."""
+    return _KEYWORD_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any ``extra=`` fields."""
+
+    _standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": mask_secrets(record.getMessage()),
+        }
+        for key, value in record.__dict__.items():
+            if key not in self._standard and not key.startswith("_"):
+                entry[key] = mask_secrets(value) if isinstance(value, str) else value
+        if record.exc_info:
+            entry["error"] = mask_secrets(self.formatException(record.exc_info))
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    handler.formatter.converter = time.gmtime  # type: ignore[union-attr]
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class RelayMetrics:
+    """The relay's Prometheus metrics, on a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.published = Counter(
+            "outbox_relay_published", "Messages acknowledged by Kafka", ["topic"], registry=r
+        )
+        self.retried = Counter(
+            "outbox_relay_retried", "Failed attempts scheduled for retry", ["topic"], registry=r
+        )
+        self.dead = Counter(
+            "outbox_relay_dead", "Messages moved to the dead state", ["topic", "reason"], registry=r
+        )
+        self.batch_size = Histogram(
+            "outbox_relay_batch_size",
+            "Messages per leased batch",
+            buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "outbox_relay_batch_seconds",
+            "Time to lease, publish and record one batch",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.commit_to_ack = Histogram(
+            "outbox_relay_commit_to_ack_seconds",
+            "From the writing transaction to Kafka's acknowledgement",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 120, 600),
+            registry=r,
+        )
+        self.oldest_pending = Gauge(
+            "outbox_relay_oldest_pending_seconds", "Age of the oldest pending message", registry=r
+        )
+        self.owned_shards = Gauge("outbox_relay_owned_shards", "Shards this relay owns", registry=r)
+
+
+class HealthState:
+    """What the health endpoints report; the relay loop updates it."""
+
+    def __init__(self, stale_after: float) -> None:
+        self.stale_after = stale_after
+        self.last_tick = time.monotonic()
+        self.database_ok = False
+        self.stopping = False
+
+    def tick(self) -> None:
+        self.last_tick = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_tick < self.stale_after
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.database_ok and not self.stopping
+
+
+def serve(host: str, port: int, metrics: RelayMetrics, health: HealthState) -> ThreadingHTTPServer:
+    """Serve /metrics, /healthz (the loop is turning) and /readyz (and connected)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+            elif self.path == "/healthz":
+                ok = health.alive
+                self._send(200 if ok else 503, b"ok\n" if ok else b"stalled\n")
+            elif self.path == "/readyz":
+                ok = health.ready
+                self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            else:
+                self._send(404, b"not found\n")
+
+        def _send(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return  # scrapes are not worth a log line each
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="outbox-metrics", daemon=True).start()
+    return server
