@@ -446,3 +446,7 @@ def _redact(text: str) -> str:
     import re
 
     return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+
+
+if __name__ == "__main__":
+    main()

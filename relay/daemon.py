@@ -57,6 +57,7 @@ class Relay:
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self.batches = 0
+        self.metrics_server_port: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -79,6 +80,7 @@ class Relay:
             server = serve(
                 self.config.metrics_host, self.config.metrics_port, self.metrics, self.health
             )
+            self.metrics_server_port = server.server_port
             log.info(
                 "metrics and health on http://%s:%d", self.config.metrics_host, server.server_port
             )

@@ -1,0 +1,124 @@
+"""Running relays in tests: in a thread (to inspect them) or as `outbox relay` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox import ID_HEADER, Message, Outbox
+from relay.config import RelayConfig
+from relay.daemon import Relay
+from relay.policy import RetryPolicy
+
+
+def relay_config(database_url: str, bootstrap: str, **overrides: Any) -> RelayConfig:
+    options: dict[str, Any] = {
+        "database_url": database_url,
+        "kafka": {"bootstrap.servers": bootstrap, **overrides.pop("kafka", {})},
+        "batch_size": 200,
+        "poll_interval": 0.2,
+        "rebalance_interval": 0.2,
+        "delivery_timeout_ms": 10_000,
+        "lease_seconds": 30,
+        "retry": RetryPolicy(max_attempts=5, base_seconds=0.2, cap_seconds=1.0),
+    }
+    options.update(overrides)
+    return RelayConfig(**options)
+
+
+@contextmanager
+def running_relay(config: RelayConfig) -> Iterator[Relay]:
+    relay = Relay(config)
+    thread = threading.Thread(target=relay.run, name="test-relay", daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        thread.join(60)
+        assert not thread.is_alive(), "relay did not stop"
+
+
+def start_relay_process(
+    database_url: str, bootstrap: str, *args: str, log: Path | None = None
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+    }
+    output = log.open("ab") if log else subprocess.DEVNULL
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "outbox.cli",
+            "relay",
+            "--poll-interval",
+            "0.2",
+            "--batch-size",
+            "200",
+            "--delivery-timeout-ms",
+            "10000",
+            "--lease-seconds",
+            "30",
+            *args,
+        ],
+        env=env,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if process.poll() is None:
+        process.send_signal(sig)
+    return process.wait(60)
+
+
+def publish_orders(
+    engine: sa.Engine, topic: str, count: int, keys: int = 10, start: int = 0
+) -> list[uuid.UUID]:
+    """``count`` messages, round-robin over ``keys`` keys, ``n`` = a running number."""
+    ob = Outbox(engine)
+    ids: list[uuid.UUID] = []
+    for first in range(start, start + count, 100):
+        with ob.transaction() as tx:
+            results = tx.publish_many(
+                [
+                    Message(topic, {"n": n}, key=f"key-{n % keys}")
+                    for n in range(first, min(first + 100, start + count))
+                ]
+            )
+        ids.extend(r.message_id for r in results)
+    return ids
+
+
+def statuses(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT status, count(*) FROM outbox GROUP BY status"))
+        return {row[0]: row[1] for row in rows}
+
+
+def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def message_id(record: Any) -> uuid.UUID:
+    return uuid.UUID(dict(record.headers())[ID_HEADER].decode())
