@@ -159,13 +159,13 @@ def purge(database_url: str, schema: str, table: str, older_than: str, batch_siz
 @click.option("--backoff-max", default=300.0, show_default=True, envvar="OUTBOX_RELAY_BACKOFF_MAX")
 @click.option(
     "--delivery-timeout-ms",
-    default=60_000,
+    default=300_000,
     show_default=True,
     envvar="OUTBOX_RELAY_DELIVERY_TIMEOUT_MS",
     help="How long Kafka may take to acknowledge one attempt.",
 )
 @click.option(
-    "--lease-seconds", default=120.0, show_default=True, envvar="OUTBOX_RELAY_LEASE_SECONDS"
+    "--lease-seconds", default=360.0, show_default=True, envvar="OUTBOX_RELAY_LEASE_SECONDS"
 )
 @click.option(
     "--metrics-port",
@@ -201,6 +201,14 @@ def relay(
     log_level: str,
 ) -> None:
     """Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT)."""
+    import signal
+    import threading
+
+    # A stop asked for while starting up is honoured as soon as the loop exists.
+    stop_early = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_early.set())
+
     from relay.config import RelayConfig, kafka_config_from_env
     from relay.daemon import Relay
     from relay.observability import configure_logging
@@ -234,6 +242,8 @@ def relay(
         raise click.ClickException(_redact(str(exc))) from exc
     daemon = Relay(config)
     daemon.install_signal_handlers()
+    if stop_early.is_set():
+        daemon.stop()
     sys.exit(daemon.run())
 
 

@@ -48,8 +48,10 @@ class RelayConfig:
     batch_size: int = 1000
     poll_interval: float = 1.0
     rebalance_interval: float = 1.0
-    lease_seconds: float = 120.0
-    delivery_timeout_ms: int = 60_000
+    lease_seconds: float = 360.0
+    # Long, so that a broker outage of minutes is ridden out inside the idempotent producer,
+    # in order; only longer ones turn into per-message retries with backoff.
+    delivery_timeout_ms: int = 300_000
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     transactional_id_prefix: str | None = None
     progress_topic: str | None = None

@@ -51,6 +51,7 @@ class Relay:
         self.metrics = metrics or RelayMetrics()
         self.health = HealthState(stale_after=max(30.0, 5 * config.poll_interval))
         self._stop = threading.Event()
+        self._stop_requested_at = 0.0
         self._conn: psycopg.Connection | None = None
         self._ownership: ShardOwnership | None = None
         self._publisher: BatchPublisher | None = None
@@ -63,8 +64,17 @@ class Relay:
 
     def stop(self) -> None:
         """Ask the loop to finish the batch in hand and exit."""
+        if not self._stop.is_set():
+            self._stop_requested_at = time.monotonic()
         self._stop.set()
         self.health.stopping = True
+
+    def _shutdown_overdue(self) -> bool:
+        """A stop was asked for and the batch in hand had its share of the shutdown time."""
+        return (
+            self._stop.is_set()
+            and time.monotonic() - self._stop_requested_at > self.config.shutdown_timeout / 2
+        )
 
     def install_signal_handlers(self) -> None:
         def handle(signum: int, _frame: FrameType | None) -> None:
@@ -237,7 +247,9 @@ class Relay:
 
     def _make_publisher(self) -> BatchPublisher:
         if not self.config.exactly_once:
-            return AtLeastOncePublisher(self.config.kafka, self.config.delivery_timeout_ms)
+            return AtLeastOncePublisher(
+                self.config.kafka, self.config.delivery_timeout_ms, self._shutdown_overdue
+            )
         admin = AdminClient(
             {
                 k: v
@@ -252,6 +264,7 @@ class Relay:
             progress_topic=self.config.progress_topic_name,
             owner=self.owner,
             delivery_timeout_ms=self.config.delivery_timeout_ms,
+            give_up=self._shutdown_overdue,
         )
 
     def _maybe_rebalance(self) -> None:

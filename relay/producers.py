@@ -6,7 +6,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,6 +18,9 @@ from relay.progress import encode_progress, last_committed
 from relay.store import Ack
 
 log = logging.getLogger(__name__)
+
+
+_PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
 
 
 class ShardFenced(Exception):
@@ -49,9 +52,17 @@ class BatchPublisher(Protocol):
 
 
 def _produce_all(
-    producer: Producer, records: Sequence[OutboxRecord], result: BatchResult, timeout: float
+    producer: Producer,
+    records: Sequence[OutboxRecord],
+    result: BatchResult,
+    timeout: float,
+    give_up: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Produce ``records`` in order and wait for every delivery report."""
+    """Produce ``records`` in order and wait for every delivery report.
+
+    When ``give_up()`` turns true (a shutdown that waited long enough), what Kafka has not
+    acknowledged yet is purged: those rows are released untouched, for the next owner.
+    """
     pending = 0
 
     def report(record_id: uuid.UUID, error: KafkaError | None, message: Message) -> None:
@@ -83,13 +94,27 @@ def _produce_all(
     deadline = time.monotonic() + timeout
     while pending > 0 and time.monotonic() < deadline:
         producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+        if pending > 0 and give_up():
+            producer.purge(in_queue=True, in_flight=True)
+            producer.flush(5)
+            break
+    purged = [rid for rid, err in result.errors.items() if err.code() in _PURGED]
+    for record_id in purged:
+        del result.errors[record_id]
+        result.not_attempted.append(record_id)
 
 
 class AtLeastOncePublisher:
     """One idempotent producer (acks=all) for every shard this relay owns."""
 
-    def __init__(self, kafka_config: Mapping[str, Any], delivery_timeout_ms: int) -> None:
+    def __init__(
+        self,
+        kafka_config: Mapping[str, Any],
+        delivery_timeout_ms: int,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.delivery_timeout = delivery_timeout_ms / 1000
+        self.give_up = give_up
         self.producer = Producer(
             producer_config({**kafka_config, "delivery.timeout.ms": delivery_timeout_ms})
         )
@@ -102,7 +127,7 @@ class AtLeastOncePublisher:
 
     def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
         result = BatchResult()
-        _produce_all(self.producer, records, result, self.delivery_timeout + 10)
+        _produce_all(self.producer, records, result, self.delivery_timeout + 10, self.give_up)
         return result
 
     def close(self) -> None:
@@ -124,7 +149,9 @@ class ExactlyOncePublisher:
         owner: str,
         delivery_timeout_ms: int,
         transaction_timeout_ms: int = 60_000,
+        give_up: Callable[[], bool] = lambda: False,
     ) -> None:
+        self.give_up = give_up
         self.kafka_config = dict(kafka_config)
         self.prefix = transactional_id_prefix
         self.progress_topic = progress_topic
@@ -196,11 +223,13 @@ class ExactlyOncePublisher:
             return result
         try:
             producer.begin_transaction()
-            _produce_all(producer, records, result, self.delivery_timeout_ms / 1000 + 10)
-            if result.errors or len(result.acks) != len(records):
+            _produce_all(
+                producer, records, result, self.delivery_timeout_ms / 1000 + 10, self.give_up
+            )
+            if result.errors or result.not_attempted or len(result.acks) != len(records):
                 producer.abort_transaction(30)
                 failed = set(result.errors)
-                result.not_attempted.extend(r.id for r in records if r.id not in failed)
+                result.not_attempted = [r.id for r in records if r.id not in failed]
                 result.acks.clear()
                 return result
             producer.produce(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from devstack.procs import free_port
 from outbox import ID_HEADER, Message, Outbox
 from relay.config import RelayConfig
 from relay.daemon import Relay
@@ -50,35 +52,61 @@ def running_relay(config: RelayConfig) -> Iterator[Relay]:
         assert not thread.is_alive(), "relay did not stop"
 
 
+class RelayProcess(subprocess.Popen[bytes]):
+    metrics_port: int
+
+    def ready(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.metrics_port}/readyz"
+            return urllib.request.urlopen(url, timeout=1).status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        wait_for(self.ready, timeout, "the relay to be ready")
+
+
 def start_relay_process(
-    database_url: str, bootstrap: str, *args: str, log: Path | None = None
-) -> subprocess.Popen[bytes]:
+    database_url: str, bootstrap: str, *args: str, log: Path | None = None, ready: bool = True
+) -> RelayProcess:
+    """`outbox relay` in a process of its own; waits for /readyz unless ``ready=False``."""
+    port = free_port()
     env = {
         **os.environ,
         "OUTBOX_DATABASE_URL": database_url,
         "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
     }
     output = log.open("ab") if log else subprocess.DEVNULL
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "outbox.cli",
-            "relay",
-            "--poll-interval",
-            "0.2",
-            "--batch-size",
-            "200",
-            "--delivery-timeout-ms",
-            "10000",
-            "--lease-seconds",
-            "30",
-            *args,
-        ],
-        env=env,
-        stdout=output,
-        stderr=subprocess.STDOUT,
-    )
+    try:
+        process = RelayProcess(
+            [
+                sys.executable,
+                "-m",
+                "outbox.cli",
+                "relay",
+                "--metrics-port",
+                str(port),
+                "--poll-interval",
+                "0.2",
+                "--batch-size",
+                "200",
+                "--delivery-timeout-ms",
+                "10000",
+                "--lease-seconds",
+                "30",
+                *args,
+            ],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        if log:
+            output.close()  # type: ignore[union-attr]  # the child has its own descriptor
+    process.metrics_port = port
+    if ready:
+        process.wait_ready()
+    return process
 
 
 def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from devstack.topics import consume_messages
-from outbox import Message, Outbox
+from outbox import Outbox
 from tests.relay_helpers import (
     message_id,
     publish_orders,
