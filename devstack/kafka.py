@@ -138,28 +138,33 @@ class KafkaBroker:
         return ":".join(str(jar) for jar in self.jars)
 
     def _format(self, java: str, config: Path) -> None:
-        if self.data_dir.exists():
-            shutil.rmtree(self.data_dir)  # storage from an interrupted format
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        result = subprocess.run(
-            [
-                java,
-                "-cp",
-                self._classpath(),
-                f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
-                "kafka.tools.StorageTool",
-                "format",
-                "-t",
-                cluster_id,
-                "-c",
-                str(config),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise StackError(f"formatting Kafka storage failed: {result.stdout}{result.stderr}")
+        output = ""
+        for _ in range(2):  # a second try on a clean folder, with the first failure kept
+            if self.data_dir.exists():
+                shutil.rmtree(self.data_dir)  # storage from an interrupted format
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            result = subprocess.run(
+                [
+                    java,
+                    "-cp",
+                    self._classpath(),
+                    f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    cluster_id,
+                    "-c",
+                    str(config),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if result.returncode == 0:
+                return
+            output += f"exit {result.returncode}: ...{(result.stdout + result.stderr)[-1500:]}\n"
+            (self.root / "format-failure.log").write_text(result.stdout + result.stderr)
+        raise StackError(f"formatting Kafka storage failed: {output}")
 
     def _server_properties(self) -> str:
         settings = {

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import click
 
@@ -288,12 +289,19 @@ def dead() -> None:
     """Inspect, retry and purge messages the relay gave up on."""
 
 
-def _dead_store(database_url: str, schema: str, table: str):  # type: ignore[no-untyped-def]
+@contextmanager
+def _dead_store(database_url: str, schema: str, table: str) -> Iterator[tuple[Any, Any]]:
+    """An engine (disposed afterwards, whatever happens) and the table's named queries."""
     import sqlalchemy as sa
 
     from outbox.queries import Queries
 
-    return sa.create_engine(database_url), Queries(_spec(schema, table))
+    queries = Queries(_spec(schema, table))
+    engine = sa.create_engine(database_url)
+    try:
+        yield engine, queries
+    finally:
+        engine.dispose()
 
 
 @dead.command("list")
@@ -304,9 +312,8 @@ def _dead_store(database_url: str, schema: str, table: str):  # type: ignore[no-
 @click.option("--limit", default=50, show_default=True)
 def dead_list(database_url: str, schema: str, table: str, topic: str | None, limit: int) -> None:
     """List dead messages, newest first."""
-    engine, queries = _dead_store(database_url, schema, table)
 
-    def run() -> None:
+    def run(engine: Any, queries: Any) -> None:
         with engine.connect() as conn:
             rows = conn.execute(queries["list_dead"], {"topic": topic, "limit": limit}).all()
         for row in rows:
@@ -317,8 +324,8 @@ def dead_list(database_url: str, schema: str, table: str, topic: str | None, lim
             )
         click.echo(f"{len(rows)} dead message(s)")
 
-    _run_db_step(run)
-    engine.dispose()
+    with _dead_store(database_url, schema, table) as (engine, queries):
+        _run_db_step(lambda: run(engine, queries))
 
 
 @dead.command("show")
@@ -328,9 +335,8 @@ def dead_list(database_url: str, schema: str, table: str, topic: str | None, lim
 @click.argument("message_id", type=click.UUID)
 def dead_show(database_url: str, schema: str, table: str, message_id: object) -> None:
     """Show one message, every column."""
-    engine, queries = _dead_store(database_url, schema, table)
 
-    def run() -> None:
+    def run(engine: Any, queries: Any) -> None:
         with engine.connect() as conn:
             row = conn.execute(queries["show_message"], {"id": message_id}).mappings().first()
         if row is None:
@@ -340,8 +346,8 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
                 value = value.decode(errors="replace")
             click.echo(f"{name:>16}  {value}")
 
-    _run_db_step(run)
-    engine.dispose()
+    with _dead_store(database_url, schema, table) as (engine, queries):
+        _run_db_step(lambda: run(engine, queries))
 
 
 def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
@@ -361,15 +367,14 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
     ) -> None:
         if not (message_ids or topic or everything):
             raise click.UsageError("name message ids, or pass --topic or --all")
-        engine, queries = _dead_store(database_url, schema, table)
 
-        def run() -> int:
+        def run(engine: Any, queries: Any) -> int:
             with engine.begin() as conn:
                 params = {"ids": list(message_ids) or None, "topic": topic}
                 return int(conn.execute(queries[query], params).rowcount)
 
-        count = _run_db_step(run)
-        engine.dispose()
+        with _dead_store(database_url, schema, table) as (engine, queries):
+            count = _run_db_step(lambda: run(engine, queries))
         click.echo(f"{verb} {count} dead message(s)")
 
     return command
@@ -447,8 +452,8 @@ def _run_db_step(step: Callable[[], T]) -> T:
     except OutboxError as exc:
         raise click.ClickException(str(exc)) from exc
     except SQLAlchemyError as exc:
-        reason = getattr(exc, "orig", None) or exc
-        raise click.ClickException(f"database error: {_redact(str(reason))}") from exc
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise click.ClickException(f"database error: {_redact(reason)}") from exc
 
 
 def _redact(text: str) -> str:

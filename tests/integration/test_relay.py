@@ -14,6 +14,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from devstack.topics import consume_messages
 from outbox import Outbox
+from outbox.schema import OutboxTableSpec
 from tests.relay_helpers import (
     message_id,
     publish_orders,
@@ -156,3 +157,46 @@ def test_exactly_once_mode_delivers_each_message_once_to_read_committed(
     assert sorted(message_id(r) for r in records) == sorted(ids)
     progress = consume_messages(bootstrap_servers, f"progress-{prefix}", expect=1)
     assert progress, "each committed batch leaves a progress record"
+
+
+def test_crash_between_kafka_commit_and_marking_never_republishes(
+    engine, outbox_url, bootstrap_servers, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    from relay.producers import ExactlyOncePublisher
+    from relay.progress import ensure_progress_topic
+    from relay.store import RelayStore
+
+    topic = make_topic("eos-gap")
+    prefix = f"gap-{uuid.uuid4().hex[:8]}"
+    progress = f"progress-{prefix}"
+    ensure_progress_topic(AdminClient({"bootstrap.servers": bootstrap_servers}), progress)
+    ids = publish_orders(engine, topic, 50, keys=1)  # one key: one shard
+    store = RelayStore(engine, OutboxTableSpec(), "relay-crashed")
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": bootstrap_servers},
+        transactional_id_prefix=prefix,
+        progress_topic=progress,
+        owner="relay-crashed",
+        delivery_timeout_ms=10_000,
+    )
+    shards = list(range(16))
+    publisher.take_over(shards)
+    batch = store.lease_batch(shards, 50, 60)
+    result = publisher.publish([leased.record for leased in batch])
+    assert len(result.acks) == 50  # committed in Kafka ...
+    publisher.close()  # ... and the relay dies before marking the rows sent
+    assert statuses(engine) == {"pending": 50}
+
+    config = relay_config(
+        outbox_url,
+        bootstrap_servers,
+        mode="exactly-once",
+        transactional_id_prefix=prefix,
+        progress_topic=progress,
+    )
+    with running_relay(config):
+        wait_for(lambda: statuses(engine) == {"sent": 50}, 60, "the rows marked sent")
+    records = consume_messages(bootstrap_servers, topic, expect=50)
+    assert sorted(message_id(r) for r in records) == sorted(ids)  # once each, not twice
+    offsets = sent_offsets(engine)
+    assert all(offsets[message_id(r)] == (r.partition(), r.offset()) for r in records)

@@ -1,0 +1,116 @@
+"""Pure parts of the relay: error classes, backoff, settings, masking, progress records."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import uuid
+
+import pytest
+from confluent_kafka import KafkaError
+
+from outbox.errors import ConfigError
+from relay.config import RelayConfig, kafka_config_from_env, masked_kafka_config
+from relay.observability import JsonFormatter, mask_secrets
+from relay.policy import RETRIABLE, RetryPolicy, classify
+from relay.progress import decode_progress, encode_progress
+from relay.store import Ack
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (KafkaError.MSG_SIZE_TOO_LARGE, "message_too_large"),
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, "unknown_topic"),
+        (KafkaError._UNKNOWN_TOPIC, "unknown_topic"),
+        (KafkaError.TOPIC_AUTHORIZATION_FAILED, "topic_unauthorized"),
+        (KafkaError.INVALID_RECORD, "invalid_record"),
+        (KafkaError._MSG_TIMED_OUT, RETRIABLE),
+        (KafkaError.NOT_ENOUGH_REPLICAS, RETRIABLE),
+        (KafkaError._TRANSPORT, RETRIABLE),
+    ],
+)
+def test_errors_are_classified(code: int, kind: str) -> None:
+    assert classify(KafkaError(code)) == kind
+
+
+def test_backoff_grows_exponentially_with_jitter_up_to_the_cap() -> None:
+    policy = RetryPolicy(max_attempts=5, base_seconds=1.0, cap_seconds=10.0)
+    rng = random.Random(7)
+    for attempts, ceiling in [(0, 1.0), (1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (20, 10.0)]:
+        delays = [policy.delay(attempts, rng) for _ in range(200)]
+        assert min(delays) >= 0 and max(delays) <= ceiling
+        assert max(delays) > ceiling * 0.8  # jitter covers the range
+    assert not policy.gives_up(3)
+    assert policy.gives_up(4)  # the fifth failed attempt is the last
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+def config(**overrides: object) -> RelayConfig:
+    return RelayConfig(
+        database_url="postgresql+psycopg://u:p@h/db",
+        kafka={"bootstrap.servers": "k:9092", **overrides.pop("kafka", {})},  # type: ignore[dict-item]
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"mode": "twice"}, "mode"),
+        ({"kafka": {"bootstrap.servers": ""}}, "bootstrap"),
+        ({"batch_size": 0}, "batch size"),
+        ({"poll_interval": 0}, "intervals"),
+        ({"lease_seconds": 30, "delivery_timeout_ms": 60_000}, "lease"),
+        ({"kafka": {"transactional.id": "x"}}, "managed by the relay"),
+        ({"metrics_port": 70_000}, "port"),
+    ],
+)
+def test_bad_relay_settings_are_refused(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(**overrides)
+
+
+def test_defaults_name_the_transactional_ids_and_progress_topic_after_the_table() -> None:
+    relay = config()
+    assert relay.transactional_prefix == "outbox-relay.public.outbox"
+    assert relay.progress_topic_name == "outbox-progress.public.outbox"
+
+
+def test_kafka_settings_from_the_environment() -> None:
+    env = {
+        "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "OUTBOX_KAFKA_SASL_PASSWORD": "hunter2",
+        "OUTBOX_KAFKA_SSL_CA_LOCATION": "/ca.pem",
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "not-a-setting-here",
+        "OTHER": "x",
+    }
+    assert kafka_config_from_env(env) == {
+        "security.protocol": "SASL_SSL",
+        "sasl.password": "hunter2",
+        "ssl.ca.location": "/ca.pem",
+    }
+    assert masked_kafka_config({"sasl.password": "hunter2", "acks": "all"}) == {
+        "sasl.password": "***",
+        "acks": "all",
+    }
+
+
+def test_secrets_are_masked_in_text_and_log_lines() -> None:
+    text = "could not connect to postgresql+psycopg://relay:s3cr3t@db:5432/shop; password=s3cr3t"
+    assert "s3cr3t" not in mask_secrets(text)
+    assert "relay:***@db" in mask_secrets(text)
+    record = logging.makeLogRecord(
+        {"msg": "failed: %s", "args": (text,), "levelname": "ERROR", "name": "t"}
+    )
+    record.__dict__["message_id"] = "m-1"
+    line = json.loads(JsonFormatter().format(record))
+    assert "s3cr3t" not in json.dumps(line)
+    assert line["message_id"] == "m-1" and line["level"] == "error"
+
+
+def test_progress_records_round_trip() -> None:
+    acks = [Ack(uuid.uuid4(), 0, 17), Ack(uuid.uuid4(), 2, 5)]
+    assert decode_progress(encode_progress(3, "relay-x", acks)) == acks
