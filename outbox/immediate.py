@@ -162,7 +162,8 @@ class ImmediateSender:
             blocked = set(
                 conn.execute(
                     self.queries["leased_behind_earlier"],
-                    {"ids": list(leased), "owner": self.owner},
+                    # an immediately sent row may sit behind any backlog: look at all of it
+                    {"ids": list(leased), "owner": self.owner, "reach": None},
                 ).scalars()
             )
             if blocked:

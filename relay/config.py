@@ -72,6 +72,11 @@ class RelayConfig:
             raise ConfigError("lease must outlast the delivery timeout by at least 10 s")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError("metrics port must be between 0 and 65535")
+        if self.exactly_once and self.delivery_timeout_ms + 30_000 > 900_000:
+            raise ConfigError(
+                "in exactly-once mode the delivery timeout must stay under 870000 ms: a Kafka "
+                "transaction must outlive its deliveries and may last 15 minutes at most"
+            )
         for forbidden in ("transactional.id", "enable.idempotence", "acks"):
             if forbidden in self.kafka:
                 raise ConfigError(f"Kafka setting {forbidden!r} is managed by the relay")

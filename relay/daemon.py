@@ -19,7 +19,7 @@ from types import FrameType
 
 import psycopg
 import sqlalchemy as sa
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 from sqlalchemy import exc as sa_exc
 
@@ -102,6 +102,7 @@ class Relay:
             self.config.batch_size,
         )
         pause = 0.5
+        exit_code = 0
         try:
             while not self._stop.is_set():
                 try:
@@ -121,6 +122,11 @@ class Relay:
                     self._stop.wait(pause)
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
                 except KafkaException as error:
+                    if error.args[0].code() == KafkaError._INVALID_ARG:
+                        # A setting Kafka's client refuses: no retry will change it.
+                        log.critical("Kafka client settings refused: %s", error.args[0].str())
+                        exit_code = 1
+                        break
                     log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), pause)
                     self._stop.wait(pause)
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
@@ -128,7 +134,7 @@ class Relay:
             self._shutdown()
             if server is not None:
                 server.shutdown()
-        return 0
+        return exit_code
 
     # -- the steps ---------------------------------------------------------------------------
 

@@ -20,6 +20,11 @@ from relay.store import Ack
 log = logging.getLogger(__name__)
 
 
+#: How much longer than the delivery timeout a Kafka transaction may stay open.
+TRANSACTION_MARGIN_MS = 30_000
+#: The broker's default transaction.max.timeout.ms: no transaction may be longer.
+MAX_TRANSACTION_MS = 900_000
+
 _PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
 
 
@@ -148,7 +153,6 @@ class ExactlyOncePublisher:
         progress_topic: str,
         owner: str,
         delivery_timeout_ms: int,
-        transaction_timeout_ms: int = 60_000,
         give_up: Callable[[], bool] = lambda: False,
     ) -> None:
         self.give_up = give_up
@@ -157,7 +161,8 @@ class ExactlyOncePublisher:
         self.progress_topic = progress_topic
         self.owner = owner
         self.delivery_timeout_ms = delivery_timeout_ms
-        self.transaction_timeout_ms = transaction_timeout_ms
+        # A transaction must outlive the deliveries inside it (librdkafka insists).
+        self.transaction_timeout_ms = delivery_timeout_ms + TRANSACTION_MARGIN_MS
         self.producers: dict[int, Producer] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="outbox-eos")
         consumer_config = {

@@ -80,7 +80,8 @@ class RelayStore:
         with self.engine.begin() as conn:
             blocked = set(
                 conn.execute(
-                    self.queries["leased_behind_earlier"], {"ids": ids, "owner": self.owner}
+                    self.queries["leased_behind_earlier"],
+                    {"ids": ids, "owner": self.owner, "reach": window},
                 ).scalars()
             )
             if blocked:

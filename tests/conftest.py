@@ -130,3 +130,12 @@ def spark():  # type: ignore[no-untyped-def]
     session.sparkContext.setLogLevel("WARN")
     yield session
     session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_relay_left_behind() -> Iterator[None]:
+    """A test that fails half-way must not leave relay processes running."""
+    yield
+    from tests.relay_helpers import kill_leftovers
+
+    kill_leftovers()

@@ -66,6 +66,18 @@ class RelayProcess(subprocess.Popen[bytes]):
         wait_for(self.ready, timeout, "the relay to be ready")
 
 
+#: Every relay process a test started; the conftest kills what a failed test left running.
+STARTED: list[RelayProcess] = []
+
+
+def kill_leftovers() -> None:
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
 def start_relay_process(
     database_url: str, bootstrap: str, *args: str, log: Path | None = None, ready: bool = True
 ) -> RelayProcess:
@@ -104,6 +116,7 @@ def start_relay_process(
         if log:
             output.close()  # type: ignore[union-attr]  # the child has its own descriptor
     process.metrics_port = port
+    STARTED.append(process)
     if ready:
         process.wait_ready()
     return process

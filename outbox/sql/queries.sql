@@ -14,20 +14,30 @@ RETURNING id, seq, shard, topic, key, value, content_type, header_names, header_
 
 -- name: leased_behind_earlier
 -- Of the rows this sender leased, those whose key still has an earlier pending row that the
--- sender does not hold: sending them now would overtake it.
-SELECT c.id
-  FROM {table} AS c
- WHERE c.id = ANY(:ids)
-   AND c.key IS NOT NULL
-   AND EXISTS (
-       SELECT 1
-         FROM {table} AS p
-        WHERE p.status = 'pending'
-          AND p.shard = c.shard
-          AND p.seq < c.seq
-          AND p.topic = c.topic
-          AND p.key = c.key
-          AND p.lease_owner IS DISTINCT FROM :owner);
+-- sender does not hold: sending them now would overtake it. The rows held elsewhere are
+-- found first, shard by shard along the pending index (at most :reach of them per shard:
+-- the relay's lease window, which they cannot lie beyond), then matched by key.
+WITH mine AS (
+    SELECT id, shard, seq, topic, key
+      FROM {table}
+     WHERE id = ANY(CAST(:ids AS uuid[])) AND key IS NOT NULL),
+reach AS (
+    SELECT shard, max(seq) AS seq FROM mine GROUP BY shard),
+elsewhere AS (
+    SELECT p.shard, p.seq, p.topic, p.key
+      FROM reach AS r
+     CROSS JOIN LATERAL (
+           SELECT q.shard, q.seq, q.topic, q.key
+             FROM {table} AS q
+            WHERE q.status = 'pending' AND q.shard = r.shard AND q.seq < r.seq
+              AND q.key IS NOT NULL
+              AND q.lease_owner IS DISTINCT FROM :owner
+            ORDER BY q.seq
+            LIMIT :reach) AS p)
+SELECT DISTINCT m.id
+  FROM mine AS m
+  JOIN elsewhere AS e
+    ON e.shard = m.shard AND e.topic = m.topic AND e.key = m.key AND e.seq < m.seq;
 
 -- name: release
 -- Give leased rows back, untouched, for the relay to send.
@@ -49,7 +59,8 @@ UPDATE {table} AS o
        last_error = NULL
   FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]))
        AS acked (id, kafka_partition, kafka_offset)
- WHERE o.id = acked.id AND o.lease_owner = :owner;
+ WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
+   AND o.id = acked.id AND o.lease_owner = :owner;
 
 -- name: delete_sent
 -- Keep-nothing retention: drop leased rows once Kafka acknowledged them.
@@ -122,7 +133,8 @@ UPDATE {table} AS o
        lease_until = NULL
   FROM unnest(CAST(:ids AS uuid[]), CAST(:delays AS float8[]), CAST(:kinds AS text[]),
               CAST(:errors AS text[])) AS failed (id, delay, kind, error)
- WHERE o.id = failed.id AND o.lease_owner = :owner;
+ WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
+   AND o.id = failed.id AND o.lease_owner = :owner;
 
 -- name: mark_dead
 -- Give up on rows: they stay, dead, with the reason, until an operator retries or purges them.
@@ -135,7 +147,8 @@ UPDATE {table} AS o
        lease_until = NULL
   FROM unnest(CAST(:ids AS uuid[]), CAST(:kinds AS text[]), CAST(:errors AS text[]))
        AS failed (id, kind, error)
- WHERE o.id = failed.id AND o.lease_owner = :owner;
+ WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
+   AND o.id = failed.id AND o.lease_owner = :owner;
 
 -- name: mark_sent_unleased
 -- Exactly-once recovery: rows whose Kafka transaction committed before their owner died.
@@ -149,7 +162,8 @@ UPDATE {table} AS o
        lease_until = NULL
   FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]))
        AS acked (id, kafka_partition, kafka_offset)
- WHERE o.id = acked.id AND o.status = 'pending';
+ WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
+   AND o.id = acked.id AND o.status = 'pending';
 
 -- name: break_relay_leases
 -- A new shard owner takes back the rows an earlier owner of these shards had leased.
