@@ -35,6 +35,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.stack import bench_stack, machine, percentile
 from outbox import Message, Outbox, migrate
+from outbox.engines import sender_engine
 from outbox.ids import uuid7
 from outbox.records import producer_config
 from outbox.schema import SHARD_COUNT, OutboxTableSpec, shard_of
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     with bench_stack("bench-relay") as (stack, info):
         migrate.upgrade(info.database_url)
         conninfo = stack.postgres.conninfo("bench")
-        engine = sa.create_engine(info.database_url)
+        engine = sender_engine(info.database_url)
         admin = AdminClient({"bootstrap.servers": info.bootstrap_servers})
         topics = {"relay": "bench-relay", "latency": "bench-latency", "bare": "bench-bare"}
         futures = admin.create_topics(

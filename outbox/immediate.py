@@ -33,6 +33,7 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from outbox.engines import sender_engine
 from outbox.errors import ConfigError
 from outbox.queries import Queries
 from outbox.records import OutboxRecord, producer_config
@@ -75,7 +76,8 @@ class ImmediateSender:
         config = producer_config({"delivery.timeout.ms": DELIVERY_TIMEOUT_MS, **kafka_config})
         if lease_seconds * 1000 <= int(config["delivery.timeout.ms"]):
             raise ConfigError("lease_seconds must outlast the producer's delivery.timeout.ms")
-        self.engine = sa.create_engine(engine) if isinstance(engine, str) else engine
+        # An engine of its own, planned per statement (see outbox.engines.sender_engine).
+        self.engine = sender_engine(engine if isinstance(engine, str) else engine.url)
         self.spec = spec or OutboxTableSpec()
         self.queries = Queries(self.spec)
         self.lease_seconds = lease_seconds
@@ -111,6 +113,7 @@ class ImmediateSender:
         self._queue.put(_CLOSE)
         self._thread.join(timeout)
         self._producer.flush(timeout)
+        self.engine.dispose()
 
     def send_now(self, ids: list[uuid.UUID]) -> SendOutcome:
         """Lease, produce and mark ``ids`` in the calling thread."""

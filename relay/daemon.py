@@ -23,6 +23,7 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 from sqlalchemy import exc as sa_exc
 
+from outbox.engines import sender_engine
 from outbox.records import OutboxRecord
 from relay.config import RelayConfig
 from relay.observability import HealthState, RelayMetrics, mask_secrets, serve
@@ -46,7 +47,7 @@ class Relay:
     def __init__(self, config: RelayConfig, metrics: RelayMetrics | None = None) -> None:
         self.config = config
         self.owner = f"relay-{uuid.uuid4()}"
-        self.engine = sa.create_engine(config.database_url, pool_size=2, pool_pre_ping=True)
+        self.engine = sender_engine(config.database_url)
         self.store = RelayStore(self.engine, config.spec, self.owner)
         self.metrics = metrics or RelayMetrics()
         self.health = HealthState(stale_after=max(30.0, 5 * config.poll_interval))
