@@ -33,7 +33,7 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox.engines import sender_engine
+from outbox.engines import hash_joins_only, sender_engine
 from outbox.errors import ConfigError
 from outbox.queries import Queries
 from outbox.records import OutboxRecord, producer_config
@@ -197,6 +197,7 @@ class ImmediateSender:
         for record_id in unacked:
             outcome.failed.setdefault(record_id, "no delivery report")
         with self.engine.begin() as conn:
+            hash_joins_only(conn)
             if acked and self.delete_on_send:
                 conn.execute(self.queries["delete_sent"], {"ids": acked, "owner": self.owner})
             elif acked:

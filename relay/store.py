@@ -10,6 +10,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from outbox.engines import hash_joins_only
 from outbox.queries import Queries
 from outbox.records import OutboxRecord
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
@@ -95,6 +96,7 @@ class RelayStore:
         retry = [f for f in failures if f.delay is not None]
         dead = [f for f in failures if f.delay is None]
         with self.engine.begin() as conn:
+            hash_joins_only(conn)
             if acks:
                 conn.execute(
                     self.queries["mark_sent"],
@@ -138,6 +140,7 @@ class RelayStore:
         if not acks:
             return 0
         with self.engine.begin() as conn:
+            hash_joins_only(conn)
             result = conn.execute(
                 self.queries["mark_sent_unleased"],
                 {
