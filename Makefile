@@ -6,13 +6,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help setup demo test lint typecheck pytest up down status clean bench-write
+.PHONY: help setup demo test lint typecheck pytest up down status clean bench-write bench-relay
 
 help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
 	@echo "make test   lint, type-check and run every test against the real servers"
 	@echo "make up / make down / make status   the long-running local stack ('dev')"
 	@echo "make bench-write   write-path benchmark (BENCH_ARGS='--n 10000')"
+	@echo "make bench-relay   relay benchmark (BENCH_ARGS='--n 100000' for a quick run)"
 
 $(INSTALLED): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +42,9 @@ pytest: $(INSTALLED)
 
 bench-write: setup
 	$(BIN)/python -m bench.write_path $(BENCH_ARGS)
+
+bench-relay: setup
+	$(BIN)/python -m bench.relay_throughput $(BENCH_ARGS)
 
 up: setup
 	$(BIN)/outbox dev up

@@ -4,7 +4,8 @@
 2. Creates the outbox table with the Alembic migrations, a business table and a topic.
 3. Runs business transactions that insert an order and publish an `OrderPlaced` message in
    the same transaction; every tenth one fails on purpose and rolls back.
-4. Sends the committed messages QMQ-style, right after commit, from the writing process.
+4. Runs the relay (`outbox relay`, at-least-once) until every committed message is sent,
+   then stops it with SIGTERM.
 5. Reads the topic back with a read_committed consumer and checks it against the outbox
    table: every sent row on the topic once, at its recorded offset, and nothing from a
    rolled-back transaction.
@@ -14,6 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -24,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from devstack import LocalStack
 from devstack.topics import consume_messages
-from outbox import ID_HEADER, ImmediateSender, Outbox, migrate
+from outbox import ID_HEADER, Outbox, migrate
 
 TOPIC = "orders"
 
@@ -53,6 +57,34 @@ def main(argv: list[str] | None = None) -> int:
             print("servers stopped")
 
 
+def run_relay(database_url: str, bootstrap_servers: str, engine: sa.Engine, expect: int) -> float:
+    """Start `outbox relay`, wait until ``expect`` rows are sent, SIGTERM it."""
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+        "OUTBOX_LOG_LEVEL": "WARNING",
+    }
+    started = time.monotonic()
+    relay = subprocess.Popen([sys.executable, "-m", "outbox.cli", "relay"], env=env)
+    try:
+        while time.monotonic() - started < 120:
+            with engine.connect() as conn:
+                query = sa.text("SELECT count(*) FROM outbox WHERE status = 'sent'")
+                if conn.execute(query).scalar_one() >= expect:
+                    break
+            if relay.poll() is not None:
+                raise RuntimeError("the relay stopped early")
+            time.sleep(0.2)
+        seconds = time.monotonic() - started
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        code = relay.wait(60)
+    if code != 0:
+        raise RuntimeError(f"the relay exited with {code}")
+    return seconds
+
+
 def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
     migrate.upgrade(database_url)
     engine = sa.create_engine(database_url)
@@ -66,8 +98,7 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
     if TOPIC not in admin.list_topics(timeout=10).topics:
         admin.create_topics([NewTopic(TOPIC, 3, 1)])[TOPIC].result(30)
 
-    sender = ImmediateSender(engine, {"bootstrap.servers": bootstrap_servers})
-    ob = Outbox(engine, immediate=sender)
+    ob = Outbox(engine)
     committed: list[uuid.UUID] = []
     rolled_back: list[uuid.UUID] = []
     write_started = time.monotonic()
@@ -91,7 +122,8 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
         except BusinessFailure:
             rolled_back.append(message_id)  # type: ignore[arg-type]
     write_seconds = time.monotonic() - write_started
-    sender.close()
+
+    relay_seconds = run_relay(database_url, bootstrap_servers, engine, len(committed))
 
     with engine.connect() as conn:
         status = Counter(
@@ -127,6 +159,7 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
         f"  business transactions      {orders} ({len(committed)} committed, "
         f"{len(rolled_back)} rolled back on purpose) in {write_seconds:.1f}s"
     )
+    print(f"  relay                      sent them in {relay_seconds:.1f}s, stopped cleanly")
     print(f"  order rows                 {order_rows}")
     print(f"  outbox rows                {dict(status)}")
     print(f"  records on '{TOPIC}'         {len(records)}")

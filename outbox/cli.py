@@ -180,6 +180,19 @@ def purge(database_url: str, schema: str, table: str, older_than: str, batch_siz
     "--transactional-id-prefix", default=None, envvar="OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX"
 )
 @click.option("--progress-topic", default=None, envvar="OUTBOX_RELAY_PROGRESS_TOPIC")
+@click.option(
+    "--delete-on-send",
+    is_flag=True,
+    envvar="OUTBOX_RELAY_DELETE_ON_SEND",
+    help="Keep nothing: delete rows once Kafka acknowledged them, instead of marking them sent.",
+)
+@click.option(
+    "--shutdown-timeout",
+    default=30.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_SHUTDOWN_TIMEOUT",
+    help="Seconds a SIGTERM may wait for the batch in hand.",
+)
 @click.option("--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL")
 def relay(
     database_url: str,
@@ -199,6 +212,8 @@ def relay(
     metrics_host: str,
     transactional_id_prefix: str | None,
     progress_topic: str | None,
+    delete_on_send: bool,
+    shutdown_timeout: float,
     log_level: str,
 ) -> None:
     """Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT)."""
@@ -237,6 +252,8 @@ def relay(
             progress_topic=progress_topic,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
+            delete_on_send=delete_on_send,
+            shutdown_timeout=shutdown_timeout,
         )
         _run_db_step(_check_relay_access(config))
     except (OutboxError, ValueError) as exc:

@@ -58,6 +58,7 @@ class RelayConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     shutdown_timeout: float = 30.0
+    delete_on_send: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in (AT_LEAST_ONCE, EXACTLY_ONCE):

@@ -48,7 +48,7 @@ class Relay:
         self.config = config
         self.owner = f"relay-{uuid.uuid4()}"
         self.engine = sender_engine(config.database_url)
-        self.store = RelayStore(self.engine, config.spec, self.owner)
+        self.store = RelayStore(self.engine, config.spec, self.owner, config.delete_on_send)
         self.metrics = metrics or RelayMetrics()
         self.health = HealthState(stale_after=max(30.0, 5 * config.poll_interval))
         self._stop = threading.Event()

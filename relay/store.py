@@ -47,8 +47,11 @@ class Failure:
 class RelayStore:
     """Named queries of ``outbox/sql/queries.sql`` run for one relay (``owner``)."""
 
-    def __init__(self, engine: sa.Engine, spec: OutboxTableSpec, owner: str) -> None:
+    def __init__(
+        self, engine: sa.Engine, spec: OutboxTableSpec, owner: str, delete_on_send: bool = False
+    ) -> None:
         self.engine = engine
+        self.delete_on_send = delete_on_send
         self.queries = Queries(spec)
         self.owner = owner
 
@@ -97,7 +100,10 @@ class RelayStore:
         dead = [f for f in failures if f.delay is None]
         with self.engine.begin() as conn:
             hash_joins_only(conn)
-            if acks:
+            if acks and self.delete_on_send:
+                ids = [a.id for a in acks]
+                conn.execute(self.queries["delete_sent"], {"ids": ids, "owner": self.owner})
+            elif acks:
                 conn.execute(
                     self.queries["mark_sent"],
                     {
@@ -141,6 +147,9 @@ class RelayStore:
             return 0
         with self.engine.begin() as conn:
             hash_joins_only(conn)
+            if self.delete_on_send:
+                ids = [a.id for a in acks]
+                return int(conn.execute(self.queries["delete_committed"], {"ids": ids}).rowcount)
             result = conn.execute(
                 self.queries["mark_sent_unleased"],
                 {

@@ -165,6 +165,11 @@ UPDATE {table} AS o
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
    AND o.id = acked.id AND o.status = 'pending';
 
+-- name: delete_committed
+-- Exactly-once recovery in keep-nothing mode: drop rows whose Kafka transaction committed.
+DELETE FROM {table}
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'pending';
+
 -- name: break_relay_leases
 -- A new shard owner takes back the rows an earlier owner of these shards had leased.
 UPDATE {table}

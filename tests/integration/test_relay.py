@@ -200,3 +200,14 @@ def test_crash_between_kafka_commit_and_marking_never_republishes(
     assert sorted(message_id(r) for r in records) == sorted(ids)  # once each, not twice
     offsets = sent_offsets(engine)
     assert all(offsets[message_id(r)] == (r.partition(), r.offset()) for r in records)
+
+
+def test_keep_nothing_mode_deletes_rows_once_kafka_has_them(
+    engine, outbox_url, bootstrap_servers, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    topic = make_topic("nothing")
+    ids = publish_orders(engine, topic, 300)
+    with running_relay(relay_config(outbox_url, bootstrap_servers, delete_on_send=True)):
+        wait_for(lambda: statuses(engine) == {}, 60, "every row deleted")
+    records = consume_messages(bootstrap_servers, topic, expect=300)
+    assert sorted(message_id(r) for r in records) == sorted(ids)
