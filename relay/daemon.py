@@ -25,7 +25,7 @@ from sqlalchemy import exc as sa_exc
 
 from outbox.engines import sender_engine
 from outbox.records import OutboxRecord
-from relay.config import RelayConfig
+from relay.config import RelayConfig, masked_kafka_config
 from relay.observability import HealthState, RelayMetrics, mask_secrets, serve
 from relay.ownership import ShardOwnership
 from relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
@@ -96,11 +96,12 @@ class Relay:
                 "metrics and health on http://%s:%d", self.config.metrics_host, server.server_port
             )
         log.info(
-            "relay %s starting: %s, table %s, batch %d",
+            "relay %s starting: %s, table %s, batch %d, kafka %s",
             self.owner,
             self.config.mode,
             self.config.spec.qualified_name,
             self.config.batch_size,
+            masked_kafka_config(self.config.kafka),
         )
         pause = 0.5
         exit_code = 0

@@ -28,14 +28,6 @@ MAX_TRANSACTION_MS = 900_000
 _PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
 
 
-class ShardFenced(Exception):
-    """Another relay took the shard over: its producer fenced ours."""
-
-    def __init__(self, shard: int, reason: str) -> None:
-        super().__init__(f"shard {shard}: {reason}")
-        self.shard = shard
-
-
 @dataclass
 class BatchResult:
     """Per message: acknowledged, failed with a Kafka error, or not attempted (released)."""

@@ -83,3 +83,22 @@ def test_dead_messages_can_be_listed_shown_retried_and_purged(outbox_url, engine
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT id, status, attempts FROM outbox")).all()
     assert [(r.id, r.status, r.attempts) for r in rows] == [(ids[0], "pending", 0)]
+
+
+def test_relay_logs_are_json_and_carry_no_secrets(outbox_url, bootstrap_servers, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.relay_helpers import start_relay_process, stop_process
+
+    log = tmp_path / "relay.log"
+    relay = start_relay_process(
+        outbox_url, bootstrap_servers, "-X", "sasl.password=hunter2-kafka-secret", log=log
+    )
+    assert stop_process(relay) == 0
+    text = log.read_text()
+    database_password = sa.make_url(outbox_url).password
+    assert database_password and database_password not in text
+    assert "hunter2-kafka-secret" not in text
+    assert '"sasl.password": "***"' in text  # the start-up line shows the setting, masked
+    import json
+
+    ours = [line for line in text.splitlines() if line.startswith("{")]
+    assert ours and all(json.loads(line)["level"] for line in ours)
