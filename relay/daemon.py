@@ -293,10 +293,17 @@ class Relay:
             self.metrics.oldest_pending.set(self.store.oldest_pending_age())
 
     def _take_over(self, shards: list[int]) -> None:
-        assert self._publisher is not None
-        recovered = self._publisher.take_over(shards)
-        marked = self.store.mark_committed(recovered)
-        broken = self.store.break_leases(shards)
+        assert self._publisher is not None and self._ownership is not None
+        try:
+            recovered = self._publisher.take_over(shards)
+            marked = self.store.mark_committed(recovered)
+            broken = self.store.break_leases(shards)
+        except Exception:
+            # Owning a shard that was not taken over properly would stall it: give the shards
+            # back, so that a later rebalance (here or in another relay) tries again.
+            self._publisher.let_go(shards)
+            self._ownership.release(shards)
+            raise
         log.info(
             "took over shards %s (%d rows marked sent from committed progress, "
             "%d leases taken back)",

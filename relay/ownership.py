@@ -90,6 +90,13 @@ class ShardOwnership:
                     gained.append(shard)
         return sorted(gained), sorted(lost)
 
+    def release(self, shards: list[int]) -> None:
+        """Unlock ``shards`` now (a take-over that failed: another round will try again)."""
+        for shard in shards:
+            if shard in self.owned:
+                self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._shards_key, shard))
+                self.owned.discard(shard)
+
     def release_all(self) -> list[int]:
         """Unlock every shard (clean shutdown); the connection stays open."""
         released = sorted(self.owned)

@@ -9,6 +9,7 @@ sent: a crash between "Kafka committed" and "rows marked sent" never republishes
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import orjson
@@ -52,6 +53,17 @@ def ensure_progress_topic(admin: AdminClient, topic: str, replication_factor: in
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:  # another relay was first
             raise
+    # A new topic's partitions take a moment to get leaders; reading them before fails.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        described = admin.list_topics(topic, timeout=10).topics.get(topic)
+        if (
+            described
+            and described.partitions
+            and all(p.leader >= 0 for p in described.partitions.values())
+        ):
+            return
+        time.sleep(0.2)
 
 
 def last_committed(consumer: Consumer, topic: str, shard: int, timeout: float = 15.0) -> list[Ack]:
