@@ -72,7 +72,7 @@ def last_committed(consumer: Consumer, topic: str, shard: int, timeout: float = 
     ``consumer`` must be ``read_committed``; call this after ``init_transactions`` of the
     shard's producer, so no transaction of an earlier owner is still open.
     """
-    low, high = consumer.get_watermark_offsets(TopicPartition(topic, shard), timeout=timeout)
+    low, high = _watermarks(consumer, TopicPartition(topic, shard), timeout)
     lookback = _FIRST_LOOKBACK
     while True:
         start = max(low, high - lookback)
@@ -80,6 +80,24 @@ def last_committed(consumer: Consumer, topic: str, shard: int, timeout: float = 
         if found is not None or start == low:
             return found or []
         lookback *= 2
+
+
+def _watermarks(consumer: Consumer, partition: TopicPartition, timeout: float) -> tuple[int, int]:
+    """The partition's offsets; a leader still settling in (a new topic) is waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(partition, timeout=timeout)
+            return int(low), int(high)
+        except KafkaException as exc:
+            if not exc.args[0].retriable() and exc.args[0].code() not in _SETTLING:
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+_SETTLING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE}
 
 
 def _newest_between(
