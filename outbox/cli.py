@@ -480,5 +480,14 @@ def _redact(text: str) -> str:
     return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
 
 
+def _add_reconcile() -> None:
+    # The command's module imports PySpark only when it runs.
+    from spark_jobs.cli import reconcile
+
+    main.add_command(reconcile)
+
+
+_add_reconcile()
+
 if __name__ == "__main__":
     main()

@@ -1,15 +1,27 @@
-"""Discrepancy classes of the reconciliation: pure DataFrame -> DataFrame functions.
+"""The discrepancy classes of the reconciliation, as pure DataFrame functions.
 
-Inputs are normalised frames (see :data:`OUTBOX_COLUMNS` and :data:`TOPIC_COLUMNS`); each
-function returns rows in :data:`DISCREPANCY_SCHEMA`, one per discrepancy, so that the job can
-union them, count them per class and topic, and write them out.
+Inputs are two normalised frames: the outbox side (:data:`OUTBOX_COLUMNS`, one row per outbox
+message) and the topic side (:data:`TOPIC_COLUMNS`, one row per record that carries an outbox
+id). :func:`match` joins them once, by message id, into one row per message: its outbox row
+(``o``, null when there is none) and every copy found on the topics (``copies``). Each class is
+then a condition on that row, so all of them are found in a single pass (:func:`find`), and
+each can be asked for alone (:func:`missing`, :func:`duplicates`, ...).
+
+Only messages made inside the audit window count (see :mod:`spark_jobs.window`); the frames
+may hold more, read for the grace period at the edges.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import StringType, StructField, StructType
+from pyspark.sql.types import StringType, StructField, StructType, TimestampType
+
+from spark_jobs.window import AuditWindow
 
 #: The outbox side, as read over JDBC: one row per outbox message.
 OUTBOX_COLUMNS = (
@@ -28,9 +40,10 @@ TOPIC_COLUMNS = ("message_id", "topic", "partition", "offset", "key", "value_has
 
 DISCREPANCY_SCHEMA = StructType(
     [
-        StructField("class", StringType(), False),
+        StructField("class", StringType(), True),
         StructField("message_id", StringType(), True),
         StructField("topic", StringType(), True),
+        StructField("made_at", TimestampType(), True),
         StructField("detail", StringType(), True),
     ]
 )
@@ -41,123 +54,217 @@ STUCK, LATE = "stuck", "late"
 CLASSES = (MISSING, DUPLICATE, PHANTOM, PAYLOAD_MISMATCH, MISROUTED, OFFSET_MISMATCH, STUCK, LATE)
 
 
-def _shape(frame: DataFrame, kind: str, detail: Column) -> DataFrame:
-    return frame.select(
-        F.lit(kind).alias("class"),
-        F.col("message_id").cast("string").alias("message_id"),
-        F.col("topic").cast("string").alias("topic"),
-        detail.cast("string").alias("detail"),
+@dataclass(frozen=True)
+class AuditRules:
+    """What counts as a discrepancy in one run.
+
+    ``as_of`` is when the run started: rows marked sent after it may have records the topic
+    read did not reach, so they are not checked for missing or offset mismatch.
+    """
+
+    window: AuditWindow
+    as_of: datetime
+    stuck_after: timedelta = timedelta(hours=1)
+    late_after: timedelta = timedelta(minutes=5)
+
+    def __post_init__(self) -> None:
+        if self.as_of.tzinfo is None:
+            object.__setattr__(self, "as_of", self.as_of.replace(tzinfo=UTC))
+
+    @property
+    def checked_until(self) -> datetime:
+        """Rows sent before this must be on the topic read."""
+        return min(self.window.read_until, self.as_of)
+
+
+def id_time(message_id: Column) -> Column:
+    """The millisecond a UUIDv7 id was made (null for any other id)."""
+    digits = F.concat(F.substring(message_id, 1, 8), F.substring(message_id, 10, 4))
+    millis = F.conv(digits, 16, 10).cast("long")
+    is_v7 = (F.length(message_id) == 36) & (F.substring(message_id, 15, 1) == "7")
+    return F.when(is_v7, F.timestamp_millis(millis))
+
+
+def match(outbox: DataFrame, topic: DataFrame) -> DataFrame:
+    """One row per message id: ``o`` (its outbox row or null), ``copies``, ``made_at``."""
+    rows = outbox.select(
+        "message_id",
+        F.struct(*[c for c in OUTBOX_COLUMNS if c != "message_id"]).alias("o"),
+    )
+    copies = topic.groupBy("message_id").agg(
+        F.array_sort(
+            F.collect_list(
+                F.struct("topic", "partition", "offset", "key", "value_hash", "timestamp")
+            )
+        ).alias("copies")
+    )
+    joined = rows.join(copies, "message_id", "full_outer")
+    first_copy = F.try_element_at(F.col("copies"), F.lit(1))
+    return joined.select(
+        "message_id",
+        "o",
+        "copies",
+        F.coalesce(
+            id_time(F.col("message_id")), F.col("o.created_at"), first_copy["timestamp"]
+        ).alias("made_at"),
     )
 
 
-def missing(outbox: DataFrame, topic: DataFrame) -> DataFrame:
+def in_scope(matched: DataFrame, window: AuditWindow) -> DataFrame:
+    """The messages made inside the window."""
+    return matched.where(
+        (F.col("made_at") >= F.lit(window.start)) & (F.col("made_at") < F.lit(window.end))
+    )
+
+
+def _seconds(column: Column) -> Column:
+    return F.unix_micros(column) / 1_000_000
+
+
+def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
+    """For each class: (condition on a matched row, human-readable detail)."""
+    o = F.col("o")
+    copies = F.col("copies")
+    count = F.when(copies.isNull(), 0).otherwise(F.size(copies))
+    found_at = F.array_join(
+        F.transform(
+            copies,
+            lambda c: F.concat_ws(
+                "/", c["topic"], c["partition"].cast("string"), c["offset"].cast("string")
+            ),
+        ),
+        ", ",
+    )
+    recorded = F.concat_ws(
+        "/", o["topic"], o["kafka_partition"].cast("string"), o["kafka_offset"].cast("string")
+    )
+    sent = o["status"] == "sent"
+    checkable = sent & (o["sent_at"] < F.lit(rules.checked_until))
+    on_own_topic = F.exists(copies, lambda c: c["topic"] == o["topic"])
+    at_recorded = F.exists(
+        copies,
+        lambda c: (
+            (c["topic"] == o["topic"])
+            & (c["partition"] == o["kafka_partition"])
+            & (c["offset"] == o["kafka_offset"])
+        ),
+    )
+    waited = F.lit(rules.as_of.timestamp()) - _seconds(o["created_at"])
+    took = _seconds(o["sent_at"]) - _seconds(o["created_at"])
+    return {
+        MISSING: (
+            checkable & (count == 0),
+            F.concat(F.lit("recorded at "), recorded, F.lit(", on no topic")),
+        ),
+        DUPLICATE: (count > 1, F.concat(count.cast("string"), F.lit(" copies: "), found_at)),
+        PHANTOM: (o.isNull() & (count > 0), F.concat(F.lit("no outbox row; at "), found_at)),
+        PAYLOAD_MISMATCH: (
+            o.isNotNull()
+            & F.exists(copies, lambda c: ~c["value_hash"].eqNullSafe(o["value_hash"])),
+            F.concat(F.lit("value differs at "), found_at),
+        ),
+        MISROUTED: (
+            o.isNotNull()
+            & F.exists(
+                copies, lambda c: (c["topic"] != o["topic"]) | ~c["key"].eqNullSafe(o["key"])
+            ),
+            F.concat(
+                F.lit("expected on "), o["topic"], F.lit(" with its key; found at "), found_at
+            ),
+        ),
+        OFFSET_MISMATCH: (
+            checkable & o["kafka_partition"].isNotNull() & on_own_topic & ~at_recorded,
+            F.concat(F.lit("recorded at "), recorded, F.lit(", found at "), found_at),
+        ),
+        STUCK: (
+            o["status"].isin("pending", "dead") & (waited > rules.stuck_after.total_seconds()),
+            F.concat(
+                o["status"], F.lit(" for "), F.round(waited).cast("long").cast("string"), F.lit("s")
+            ),
+        ),
+        LATE: (
+            sent & (took > rules.late_after.total_seconds()),
+            F.concat(F.lit("sent "), F.round(took, 3).cast("string"), F.lit("s after commit")),
+        ),
+    }
+
+
+def find(matched: DataFrame, rules: AuditRules, classes: Iterable[str] = CLASSES) -> DataFrame:
+    """The discrepancies of the given classes among in-scope messages, in one pass.
+
+    A message can fall in several classes (a duplicate whose copies also differ in payload);
+    it gives one row per class.
+    """
+    wanted = list(classes)
+    unknown = set(wanted) - set(CLASSES)
+    if unknown:
+        raise ValueError(f"unknown discrepancy classes: {sorted(unknown)}")
+    conditions = _rules(rules)
+    entries = F.array(
+        *[
+            F.when(
+                F.coalesce(conditions[name][0], F.lit(False)),
+                F.struct(F.lit(name).alias("class"), conditions[name][1].alias("detail")),
+            )
+            for name in wanted
+        ]
+    )
+    first_copy = F.try_element_at(F.col("copies"), F.lit(1))
+    flagged = in_scope(matched, rules.window).select(
+        "message_id",
+        F.coalesce(F.col("o.topic"), first_copy["topic"]).alias("topic"),
+        "made_at",
+        F.explode(F.filter(entries, lambda e: e.isNotNull())).alias("d"),
+    )
+    return flagged.select(
+        F.col("d.class").alias("class"),
+        "message_id",
+        "topic",
+        "made_at",
+        F.col("d.detail").alias("detail"),
+    )
+
+
+def missing(matched: DataFrame, rules: AuditRules) -> DataFrame:
     """Sent according to the outbox, but on no topic."""
-    sent = outbox.where(F.col("status") == "sent")
-    absent = sent.join(topic.select("message_id").distinct(), "message_id", "left_anti")
-    detail = F.concat(
-        F.lit("recorded at "), F.col("kafka_partition"), F.lit("/"), F.col("kafka_offset")
-    )
-    return _shape(absent, MISSING, detail)
+    return find(matched, rules, [MISSING])
 
 
-def duplicates(topic: DataFrame) -> DataFrame:
-    """The same message id more than once (on any topic)."""
-    counted = topic.groupBy("message_id").agg(
-        F.count(F.lit(1)).alias("copies"), F.min("topic").alias("topic")
-    )
-    return _shape(
-        counted.where(F.col("copies") > 1), DUPLICATE, F.concat(F.col("copies"), F.lit(" copies"))
-    )
+def duplicates(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """The same message id on the topics more than once."""
+    return find(matched, rules, [DUPLICATE])
 
 
-def phantoms(outbox: DataFrame, topic: DataFrame) -> DataFrame:
-    """Records with an outbox id that no committed outbox row has."""
-    orphans = topic.join(outbox.select("message_id"), "message_id", "left_anti")
-    detail = F.concat(F.lit("at "), F.col("partition"), F.lit("/"), F.col("offset"))
-    return _shape(orphans, PHANTOM, detail)
+def phantoms(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """Records carrying an outbox id that has no committed outbox row."""
+    return find(matched, rules, [PHANTOM])
 
 
-def _matched(outbox: DataFrame, topic: DataFrame) -> DataFrame:
-    o = outbox.alias("o")
-    t = topic.alias("t")
-    return o.join(t, F.col("o.message_id") == F.col("t.message_id"))
+def payload_mismatches(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """A copy whose value hash differs from the outbox row's."""
+    return find(matched, rules, [PAYLOAD_MISMATCH])
 
 
-def payload_mismatches(outbox: DataFrame, topic: DataFrame) -> DataFrame:
-    """A record whose value hash differs from the outbox row's."""
-    pairs = _matched(outbox, topic).where(~F.col("o.value_hash").eqNullSafe(F.col("t.value_hash")))
-    return _shape(
-        pairs.select(
-            F.col("o.message_id").alias("message_id"),
-            F.col("t.topic").alias("topic"),
-            "t.partition",
-            "t.offset",
-        ),
-        PAYLOAD_MISMATCH,
-        F.concat(F.lit("at "), F.col("partition"), F.lit("/"), F.col("offset")),
-    )
+def misrouted(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """A copy on another topic, or with another key, than its outbox row says."""
+    return find(matched, rules, [MISROUTED])
 
 
-def misrouted(outbox: DataFrame, topic: DataFrame) -> DataFrame:
-    """A record on another topic, or with another key, than its outbox row says."""
-    pairs = _matched(outbox, topic).where(
-        (F.col("o.topic") != F.col("t.topic")) | ~F.col("o.key").eqNullSafe(F.col("t.key"))
-    )
-    detail = F.concat(F.lit("expected "), F.col("o.topic"), F.lit(", found on "), F.col("t.topic"))
-    return _shape(
-        pairs.select(
-            F.col("o.message_id").alias("message_id"),
-            F.col("o.topic").alias("topic"),
-            detail.alias("d"),
-        ),
-        MISROUTED,
-        F.col("d"),
-    )
+def offset_mismatches(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """The partition/offset recorded for a sent row does not hold it."""
+    return find(matched, rules, [OFFSET_MISMATCH])
 
 
-def offset_mismatches(outbox: DataFrame, topic: DataFrame) -> DataFrame:
-    """The partition/offset recorded in the outbox does not hold that message."""
-    sent = outbox.where(F.col("status") == "sent").alias("o")
-    at = topic.alias("t")
-    joined = sent.join(
-        at,
-        (F.col("o.topic") == F.col("t.topic"))
-        & (F.col("o.kafka_partition") == F.col("t.partition"))
-        & (F.col("o.kafka_offset") == F.col("t.offset")),
-        "left",
-    ).where(~F.col("o.message_id").eqNullSafe(F.col("t.message_id")))
-    detail = F.concat(
-        F.lit("recorded "),
-        F.col("o.kafka_partition"),
-        F.lit("/"),
-        F.col("o.kafka_offset"),
-        F.lit(" holds "),
-        F.coalesce(F.col("t.message_id").cast("string"), F.lit("nothing")),
-    )
-    return _shape(
-        joined.select(
-            F.col("o.message_id").alias("message_id"),
-            F.col("o.topic").alias("topic"),
-            detail.alias("d"),
-        ),
-        OFFSET_MISMATCH,
-        F.col("d"),
-    )
+def stuck(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """Pending or dead for longer than ``rules.stuck_after``."""
+    return find(matched, rules, [STUCK])
 
 
-def stuck(outbox: DataFrame, now: Column, sla_seconds: float) -> DataFrame:
-    """Pending or dead for longer than the SLA."""
-    age = now.cast("double") - F.col("created_at").cast("double")
-    late_rows = outbox.where(F.col("status").isin("pending", "dead") & (age > sla_seconds))
-    return _shape(
-        late_rows,
-        STUCK,
-        F.concat(F.col("status"), F.lit(" for "), F.round(age).cast("long"), F.lit("s")),
-    )
+def late(matched: DataFrame, rules: AuditRules) -> DataFrame:
+    """Sent, but later after commit than ``rules.late_after`` allows."""
+    return find(matched, rules, [LATE])
 
 
-def late(outbox: DataFrame, sla_seconds: float) -> DataFrame:
-    """Sent, but later after commit than the SLA allows."""
-    delay = F.col("sent_at").cast("double") - F.col("created_at").cast("double")
-    rows = outbox.where((F.col("status") == "sent") & (delay > sla_seconds))
-    return _shape(rows, LATE, F.concat(F.lit("sent after "), F.round(delay, 3), F.lit("s")))
+def count_by_class_and_topic(found: DataFrame) -> DataFrame:
+    """``class, topic, count`` rows: the report's table."""
+    return found.groupBy("class", "topic").count()

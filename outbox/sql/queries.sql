@@ -222,3 +222,16 @@ DELETE FROM {table}
  WHERE status = 'dead'
    AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
    AND (CAST(:topic AS text) IS NULL OR topic = :topic);
+
+-- name: requeue_missing
+-- Reconciliation repair: sent rows whose records are on no topic go back to pending, so the
+-- relay publishes them again. Rows no longer marked sent are left alone (running it twice
+-- changes nothing more).
+UPDATE {table}
+   SET status = 'pending', attempts = 0, next_attempt_at = NULL, error_kind = NULL,
+       last_error = 'requeued by reconciliation: recorded at ' || topic || '/'
+                    || coalesce(kafka_partition::text, '?') || '/'
+                    || coalesce(kafka_offset::text, '?') || ', on no topic',
+       lease_owner = NULL, lease_until = NULL, sent_at = NULL,
+       kafka_partition = NULL, kafka_offset = NULL
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'sent';

@@ -1,0 +1,222 @@
+"""The reconciliation job: wires the sources, the discrepancy classes, the outputs and repair.
+
+Run it with ``outbox reconcile ...`` (local Spark) or ``spark-submit spark_jobs/reconcile.py
+...`` (any cluster; the same options). Everything that decides what is a discrepancy lives in
+:mod:`spark_jobs.discrepancies`; this module only reads, writes and counts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from outbox.schema import OutboxTableSpec
+from spark_jobs import discrepancies as d
+from spark_jobs.jdbc import jdbc_options
+from spark_jobs.progress import Progress
+from spark_jobs.repair import requeue_missing
+from spark_jobs.report import RunSummary
+from spark_jobs.sources import normalize_records, read_archive, read_kafka, read_outbox
+from spark_jobs.window import AuditWindow, uuid7_floor
+
+
+@dataclass(frozen=True)
+class ReconcileConfig:
+    """Everything one run needs; the CLI builds it from options."""
+
+    database_url: str
+    window: AuditWindow
+    output: str
+    spec: OutboxTableSpec = field(default_factory=OutboxTableSpec)
+    topics: tuple[str, ...] = ()
+    source: str = "kafka"
+    bootstrap_servers: str | None = None
+    kafka_options: Mapping[str, str] = field(default_factory=dict)
+    archive_path: str | None = None
+    archive_format: str = "parquet"
+    stuck_after: timedelta = timedelta(hours=1)
+    late_after: timedelta = timedelta(minutes=5)
+    limits: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(d.CLASSES, 0))
+    repair: bool = False
+    runs_table: str | None = None
+    jdbc_slices: int = 8
+    fetch_size: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.source == "kafka" and not self.bootstrap_servers:
+            raise ValueError("reading from Kafka needs the bootstrap servers")
+        if self.source == "archive" and not self.archive_path:
+            raise ValueError("reading from an archive needs its path")
+        if self.source not in ("kafka", "archive"):
+            raise ValueError(f"unknown topic source {self.source!r}: use kafka or archive")
+
+
+def topics_in_window(engine: sa.Engine, spec: OutboxTableSpec, window: AuditWindow) -> list[str]:
+    """The topics the outbox has messages for in the window (read range), via the id index."""
+    low, high = uuid7_floor(window.read_from), uuid7_floor(window.read_until)
+    # A recursive "loose index scan" would be faster on huge tables; DISTINCT keeps it plain.
+    query = sa.text(
+        f'SELECT DISTINCT topic FROM "{spec.schema}"."{spec.table}" '
+        "WHERE id >= :low AND id < :high ORDER BY topic"
+    )
+    with engine.connect() as conn:
+        return list(conn.execute(query, {"low": low, "high": high}).scalars())
+
+
+def _topic_side(spark: SparkSession, config: ReconcileConfig, topics: Sequence[str]) -> DataFrame:
+    if config.source == "kafka":
+        assert config.bootstrap_servers is not None
+        raw = read_kafka(
+            spark, config.bootstrap_servers, topics, config.window, config.kafka_options
+        )
+    else:
+        assert config.archive_path is not None
+        raw = read_archive(spark, config.archive_path, config.archive_format, topics or None)
+    return normalize_records(raw, config.window)
+
+
+def _describe_source(config: ReconcileConfig) -> str:
+    if config.source == "kafka":
+        return f"kafka {config.bootstrap_servers} (read_committed)"
+    return f"archive {config.archive_path} ({config.archive_format})"
+
+
+def run(
+    spark: SparkSession, config: ReconcileConfig, progress: Progress | None = None
+) -> RunSummary:
+    """One reconciliation: read, match, classify, write, count, optionally repair."""
+    progress = progress or Progress(spark.sparkContext)
+    started = time.monotonic()
+    as_of = datetime.now(UTC)
+    run_id = f"{config.window.start:%Y%m%d}-{as_of:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+    rules = d.AuditRules(config.window, as_of, config.stuck_after, config.late_after)
+    engine = sa.create_engine(config.database_url)
+    try:
+        topics = list(config.topics)
+        if not topics and config.source == "kafka":
+            with progress.step("finding the topics in the window"):
+                topics = topics_in_window(engine, config.spec, config.window)
+        outbox = read_outbox(
+            spark,
+            config.database_url,
+            config.spec,
+            config.window,
+            topics=config.topics or None,
+            slices=config.jdbc_slices,
+            fetch_size=config.fetch_size,
+        )
+        if topics or config.source == "archive":
+            records = _topic_side(spark, config, topics)
+        else:  # nothing was published in the window: an empty topic side
+            records = spark.createDataFrame([], outbox_free_topic_schema())
+        matched = d.match(outbox, records).persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            with progress.step("reading the outbox and the topics, matching by message id"):
+                scanned = matched.agg(
+                    F.count("o").alias("rows"),
+                    F.sum(F.when(F.col("copies").isNull(), 0).otherwise(F.size("copies"))).alias(
+                        "records"
+                    ),
+                ).first()
+            rows_path = str(Path(config.output) / "discrepancies")
+            with progress.step(f"classifying; writing discrepancy rows to {rows_path}"):
+                d.find(matched, rules).write.mode("overwrite").parquet(rows_path)
+        finally:
+            matched.unpersist()
+        found = spark.read.parquet(rows_path)
+        counts = {
+            (row["class"], row["topic"] or "?"): int(row["count"])
+            for row in d.count_by_class_and_topic(found).collect()
+        }
+        repaired = None
+        if config.repair:
+            with progress.step("repair: putting missing messages back to pending"):
+                ids = (
+                    row.message_id
+                    for row in found.where(F.col("class") == d.MISSING)
+                    .select("message_id")
+                    .toLocalIterator()
+                )
+                repaired = requeue_missing(engine, config.spec, ids)
+    finally:
+        engine.dispose()
+    summary = RunSummary(
+        run_id=run_id,
+        window=config.window,
+        source=_describe_source(config),
+        outbox_rows=int(scanned["rows"] or 0) if scanned else 0,
+        topic_records=int(scanned["records"] or 0) if scanned else 0,
+        counts=counts,
+        limits=config.limits,
+        seconds=time.monotonic() - started,
+        output=rows_path,
+        repaired=repaired,
+        topics=tuple(topics),
+    )
+    write_summary(summary, Path(config.output) / "summary.json")
+    if config.runs_table:
+        record_run(spark, config, summary, as_of)
+    return summary
+
+
+def outbox_free_topic_schema() -> str:
+    return (
+        "message_id string, topic string, partition int, offset long, key binary, "
+        "value_hash string, timestamp timestamp"
+    )
+
+
+def write_summary(summary: RunSummary, path: Path) -> None:
+    """The JSON summary beside the discrepancy rows (a local or mounted path)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+
+
+def record_run(
+    spark: SparkSession, config: ReconcileConfig, summary: RunSummary, as_of: datetime
+) -> None:
+    """Append one row for this run to ``config.runs_table`` over JDBC (created if absent)."""
+    body: dict[str, Any] = summary.to_json()
+    row = [
+        (
+            summary.run_id,
+            as_of.replace(tzinfo=None),
+            summary.window.start.replace(tzinfo=None),
+            summary.window.end.replace(tzinfo=None),
+            summary.source,
+            summary.outbox_rows,
+            summary.topic_records,
+            sum(summary.per_class().values()),
+            json.dumps(body["discrepancies"]),
+            body["verdict"],
+            summary.repaired,
+            float(summary.seconds),
+        )
+    ]
+    frame = spark.createDataFrame(
+        row,
+        "run_id string, started_at timestamp, window_start timestamp, window_end timestamp, "
+        "source string, outbox_rows long, topic_records long, discrepancies long, "
+        "by_class string, verdict string, repaired long, seconds double",
+    )
+    options = jdbc_options(config.database_url)
+    url = options.pop("url")
+    assert config.runs_table is not None
+    frame.write.jdbc(url, config.runs_table, mode="append", properties=options)
+
+
+if __name__ == "__main__":  # spark-submit spark_jobs/reconcile.py --database-url ... (see --help)
+    from spark_jobs.cli import reconcile
+
+    reconcile()

@@ -1,0 +1,138 @@
+"""The outcome of one reconciliation run: thresholds, verdict, console table and JSON summary.
+
+Pure Python on the handful of counts the job collects, so it is tested without Spark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from spark_jobs.discrepancies import CLASSES
+from spark_jobs.window import AuditWindow
+
+
+def parse_thresholds(items: Iterable[str]) -> dict[str, int]:
+    """``["duplicate=10", "late=100"]`` -> the largest count each class may reach (default 0)."""
+    limits = dict.fromkeys(CLASSES, 0)
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in limits:
+            raise ValueError(
+                f"{item!r}: expected CLASS=COUNT with CLASS one of {', '.join(CLASSES)}"
+            )
+        try:
+            limit = int(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: the count must be a whole number") from None
+        if limit < 0:
+            raise ValueError(f"{item!r}: the count cannot be negative")
+        limits[name] = limit
+    return limits
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one run found, and whether it passes."""
+
+    run_id: str
+    window: AuditWindow
+    source: str
+    outbox_rows: int
+    topic_records: int
+    counts: Mapping[tuple[str, str], int]
+    limits: Mapping[str, int]
+    seconds: float
+    output: str
+    repaired: int | None = None
+    topics: tuple[str, ...] = field(default=())
+
+    def per_class(self) -> dict[str, int]:
+        totals = dict.fromkeys(CLASSES, 0)
+        for (name, _topic), count in self.counts.items():
+            totals[name] += count
+        return totals
+
+    def per_topic(self) -> dict[str, dict[str, int]]:
+        by_topic: dict[str, dict[str, int]] = {}
+        for (name, topic), count in sorted(self.counts.items()):
+            by_topic.setdefault(topic, {})[name] = count
+        return by_topic
+
+    def breaches(self) -> dict[str, tuple[int, int]]:
+        """Classes over their limit: ``{class: (count, limit)}``."""
+        return {
+            name: (count, self.limits.get(name, 0))
+            for name, count in self.per_class().items()
+            if count > self.limits.get(name, 0)
+        }
+
+    @property
+    def passed(self) -> bool:
+        return not self.breaches()
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every class is within its limit, 1 otherwise (so a scheduler alerts)."""
+        return 0 if self.passed else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "window": {
+                "start": self.window.start.isoformat(),
+                "end": self.window.end.isoformat(),
+                "grace_seconds": self.window.grace.total_seconds(),
+            },
+            "source": self.source,
+            "topics": list(self.topics),
+            "outbox_rows": self.outbox_rows,
+            "topic_records": self.topic_records,
+            "discrepancies": self.per_class(),
+            "by_topic": self.per_topic(),
+            "limits": dict(self.limits),
+            "breaches": {k: {"count": c, "limit": m} for k, (c, m) in self.breaches().items()},
+            "verdict": "pass" if self.passed else "fail",
+            "repaired": self.repaired,
+            "seconds": round(self.seconds, 3),
+            "output": self.output,
+        }
+
+
+def render(summary: RunSummary) -> str:
+    """The console report: one line per class, then the topics that have discrepancies."""
+    lines = [
+        f"reconciliation {summary.run_id}",
+        f"  window         {summary.window.describe()}",
+        f"  source         {summary.source}",
+        f"  outbox rows    {summary.outbox_rows:,}",
+        f"  topic records  {summary.topic_records:,}",
+        f"  run time       {summary.seconds:.1f}s",
+        "",
+        f"  {'class':<18}{'count':>10}{'limit':>8}",
+    ]
+    breaches = summary.breaches()
+    for name, count in summary.per_class().items():
+        flag = "  FAIL" if name in breaches else ""
+        lines.append(f"  {name:<18}{count:>10,}{summary.limits.get(name, 0):>8,}{flag}")
+    by_topic = summary.per_topic()
+    if by_topic:
+        lines.append("")
+        lines.append("  by topic")
+        for topic, counts in by_topic.items():
+            listed = ", ".join(f"{name} {count:,}" for name, count in counts.items())
+            lines.append(f"    {topic}: {listed}")
+    if summary.repaired is not None:
+        lines.append("")
+        lines.append(f"  repair         {summary.repaired:,} missing messages put back to pending")
+    lines.append("")
+    lines.append(f"  discrepancy rows: {summary.output}")
+    if breaches:
+        listed = ", ".join(f"{n} {c:,} > {m:,}" for n, (c, m) in breaches.items())
+        lines.append(f"verdict: FAIL ({listed})")
+    else:
+        total = sum(summary.per_class().values())
+        lines.append(f"verdict: PASS ({total:,} discrepancies, all within limits)")
+    return "\n".join(lines)

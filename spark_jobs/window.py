@@ -1,0 +1,74 @@
+"""The time window a reconciliation audits, and how it maps onto outbox ids and topic times.
+
+A message is *in scope* when the time in its id (outbox ids are UUIDv7, so they carry the
+millisecond they were made) falls in ``[start, end)``. Both sides are read a grace period wider
+than that, so a message near an edge still finds its counterpart: its row was made a little
+before the record was produced, and its record may be produced a little after ``end``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+from itertools import pairwise
+
+
+def uuid7_floor(moment: datetime) -> uuid.UUID:
+    """The smallest UUIDv7 made at ``moment`` (ids compare bytewise, so by time first)."""
+    millis = int(moment.timestamp() * 1000)
+    if not 0 <= millis < 1 << 48:
+        raise ValueError(f"{moment.isoformat()} is outside what a UUIDv7 can hold")
+    return uuid.UUID(int=(millis << 80) | (0x7 << 76) | (0x2 << 62))
+
+
+@dataclass(frozen=True)
+class AuditWindow:
+    """Messages made in ``[start, end)`` (UTC), read with ``grace`` of slack at both edges."""
+
+    start: datetime
+    end: datetime
+    grace: timedelta = timedelta(minutes=15)
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            moment = getattr(self, name)
+            if moment.tzinfo is None:
+                object.__setattr__(self, name, moment.replace(tzinfo=UTC))
+        if self.end <= self.start:
+            raise ValueError(f"the window ends ({self.end}) before it starts ({self.start})")
+        if self.grace < timedelta(0):
+            raise ValueError("the grace period cannot be negative")
+
+    @classmethod
+    def day(cls, day: date, grace: timedelta = timedelta(minutes=15)) -> AuditWindow:
+        """The whole UTC day ``day``."""
+        start = datetime.combine(day, time(0), tzinfo=UTC)
+        return cls(start, start + timedelta(days=1), grace)
+
+    @classmethod
+    def yesterday(cls, now: datetime, grace: timedelta = timedelta(minutes=15)) -> AuditWindow:
+        """The nightly default: the UTC day before ``now``."""
+        return cls.day((now.astimezone(UTC) - timedelta(days=1)).date(), grace)
+
+    @property
+    def read_from(self) -> datetime:
+        return self.start - self.grace
+
+    @property
+    def read_until(self) -> datetime:
+        return self.end + self.grace
+
+    def id_ranges(self, slices: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
+        """``[low, high)`` id bounds splitting the read range into ``slices`` equal spans.
+
+        Each becomes one parallel JDBC read that the primary key index serves.
+        """
+        if slices < 1:
+            raise ValueError("slices must be at least 1")
+        span = (self.read_until - self.read_from) / slices
+        edges = [self.read_from + span * i for i in range(slices)] + [self.read_until]
+        return [(uuid7_floor(lo), uuid7_floor(hi)) for lo, hi in pairwise(edges)]
+
+    def describe(self) -> str:
+        return f"{self.start.isoformat()} .. {self.end.isoformat()} (grace {self.grace})"
