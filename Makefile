@@ -6,7 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help setup demo test lint typecheck pytest up down status clean bench-write bench-relay
+.PHONY: help setup demo test lint typecheck pytest up down status clean bench-write bench-relay \
+	bench-reconcile
 
 help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
@@ -14,6 +15,7 @@ help:
 	@echo "make up / make down / make status   the long-running local stack ('dev')"
 	@echo "make bench-write   write-path benchmark (BENCH_ARGS='--n 10000')"
 	@echo "make bench-relay   relay benchmark (BENCH_ARGS='--n 100000' for a quick run)"
+	@echo "make bench-reconcile   reconciliation benchmark (BENCH_ARGS='--sizes 100000,300000')"
 
 $(INSTALLED): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +47,9 @@ bench-write: setup
 
 bench-relay: setup
 	$(BIN)/python -m bench.relay_throughput $(BENCH_ARGS)
+
+bench-reconcile: setup
+	$(BIN)/python -m bench.reconcile $(BENCH_ARGS)
 
 up: setup
 	$(BIN)/outbox dev up

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from outbox.schema import OutboxTableSpec
@@ -120,20 +119,19 @@ def run(
             records = _topic_side(spark, config, topics)
         else:  # nothing was published in the window: an empty topic side
             records = spark.createDataFrame([], outbox_free_topic_schema())
-        matched = d.match(outbox, records).persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            with progress.step("reading the outbox and the topics, matching by message id"):
-                scanned = matched.agg(
-                    F.count("o").alias("rows"),
-                    F.sum(F.when(F.col("copies").isNull(), 0).otherwise(F.size("copies"))).alias(
-                        "records"
-                    ),
-                ).first()
-            rows_path = str(Path(config.output) / "discrepancies")
-            with progress.step(f"classifying; writing discrepancy rows to {rows_path}"):
-                d.find(matched, rules).write.mode("overwrite").parquet(rows_path)
-        finally:
-            matched.unpersist()
+        # One pass: the scan counts are observed while the discrepancy rows are written.
+        scan = Observation("scan")
+        matched = d.match(outbox, records).observe(
+            scan,
+            F.count("o").alias("rows"),
+            F.sum(F.when(F.col("copies").isNull(), 0).otherwise(F.size("copies"))).alias("records"),
+        )
+        rows_path = str(Path(config.output) / "discrepancies")
+        with progress.step(
+            f"reading the outbox and the topics, matching by message id, writing {rows_path}"
+        ):
+            d.find(matched, rules).write.mode("overwrite").parquet(rows_path)
+        scanned = scan.get
         found = spark.read.parquet(rows_path)
         counts = {
             (row["class"], row["topic"] or "?"): int(row["count"])
@@ -155,8 +153,8 @@ def run(
         run_id=run_id,
         window=config.window,
         source=_describe_source(config),
-        outbox_rows=int(scanned["rows"] or 0) if scanned else 0,
-        topic_records=int(scanned["records"] or 0) if scanned else 0,
+        outbox_rows=int(scanned.get("rows") or 0),
+        topic_records=int(scanned.get("records") or 0),
         counts=counts,
         limits=config.limits,
         seconds=time.monotonic() - started,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from pyspark.sql import SparkSession
 
@@ -25,10 +26,14 @@ def build_session(
     if master:
         builder = builder.master(master)
         if master.startswith("local"):
-            # Keep a local driver on loopback and its web UI off.
+            # Keep a local driver on loopback, its web UI off and its log to warnings.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            logging_conf = Path(__file__).with_name("log4j2.properties")
             builder = (
-                builder.config("spark.driver.host", "127.0.0.1")
+                builder.config(
+                    "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={logging_conf}"
+                )
+                .config("spark.driver.host", "127.0.0.1")
                 .config("spark.driver.bindAddress", "127.0.0.1")
                 .config("spark.ui.enabled", "false")
             )
