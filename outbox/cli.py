@@ -280,9 +280,12 @@ def _check_relay_access(config: object) -> Callable[[], None]:
                 spec = config.spec
                 row = conn.execute(
                     sa.text(
-                        "SELECT t.oid IS NOT NULL, CASE WHEN t.oid IS NULL THEN false ELSE "
-                        "has_table_privilege(t.oid, 'SELECT, UPDATE') END "
-                        "FROM (SELECT to_regclass(:name) AS oid) AS t"
+                        # One privilege per call: given a list, Postgres answers true
+                        # when any one of them is held.
+                        "SELECT t.oid IS NOT NULL, t.oid IS NOT NULL"
+                        " AND has_table_privilege(t.oid, 'SELECT')"
+                        " AND has_table_privilege(t.oid, 'UPDATE')"
+                        " FROM (SELECT to_regclass(:name) AS oid) AS t"
                     ),
                     {"name": spec.qualified_name},
                 ).one()
