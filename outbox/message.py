@@ -67,6 +67,8 @@ def encode_message(
         not isinstance(message.idempotency_key, str) or not message.idempotency_key
     ):
         raise InvalidMessage("idempotency_key must be a non-empty str or None")
+    if message.idempotency_key is not None and "\x00" in message.idempotency_key:
+        raise InvalidMessage("idempotency_key must not contain a NUL character")
     try:
         value = serializer.serialize(message.value)
     except SerializationError:

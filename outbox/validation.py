@@ -109,6 +109,8 @@ def encode_headers(headers: object) -> list[tuple[str, bytes | None]]:
         name, value = pair
         if not isinstance(name, str) or not name:
             raise InvalidHeaders(f"header name must be a non-empty str, got {name!r}")
+        if "\x00" in name:  # PostgreSQL text cannot hold NUL; refuse it here, not at INSERT
+            raise InvalidHeaders(f"header name {name!r} contains a NUL character")
         if name.lower().startswith(RESERVED_HEADER_PREFIX):
             raise InvalidHeaders(
                 f"header {name!r}: names starting {RESERVED_HEADER_PREFIX!r} are reserved"

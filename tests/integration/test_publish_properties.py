@@ -37,6 +37,7 @@ class Case:
     headers: Any
     value: Any
     expected: type[InvalidMessage] | None
+    idempotency_key: Any = None
 
 
 _topic_chars = st.sampled_from("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -63,7 +64,7 @@ invalid_keys = st.one_of(
     st.booleans(), st.floats(), st.lists(st.integers(), max_size=3), st.builds(object)
 )
 header_names = st.text(min_size=1, max_size=20).filter(
-    lambda n: not n.lower().startswith("outbox-")
+    lambda n: "\x00" not in n and not n.lower().startswith("outbox-")
 )
 header_values = st.one_of(st.none(), st.binary(max_size=32), st.text(max_size=32))
 valid_headers = st.one_of(
@@ -77,6 +78,13 @@ invalid_headers = st.one_of(
     st.dictionaries(st.just("outbox-id"), header_values, min_size=1, max_size=1),
     st.lists(st.tuples(st.integers(), header_values), min_size=1, max_size=2),
     st.lists(st.tuples(header_names), min_size=1, max_size=2),
+    st.dictionaries(st.just("a\x00b"), header_values, min_size=1, max_size=1),
+)
+valid_idempotency_keys = st.one_of(
+    st.none(), st.text(min_size=1, max_size=40).map(lambda k: k.replace("\x00", "")).filter(bool)
+)
+invalid_idempotency_keys = st.one_of(
+    st.just(""), st.just("a\x00b"), st.integers(), st.binary(min_size=1, max_size=8)
 )
 json_values = st.recursive(
     st.one_of(
@@ -105,7 +113,11 @@ def cases(draw: st.DrawFn) -> Case:
     """A valid message, or one with exactly one thing wrong."""
     topic, key = draw(valid_topics), draw(valid_keys)
     headers, value = draw(valid_headers), draw(valid_values)
-    fault = draw(st.sampled_from(["none", "topic", "key", "headers", "value", "size"]))
+    fault = draw(
+        st.sampled_from(["none", "topic", "key", "headers", "value", "size", "idempotency"])
+    )
+    if fault == "idempotency":
+        return Case(topic, key, headers, value, InvalidMessage, draw(invalid_idempotency_keys))
     if fault == "topic":
         return Case(draw(invalid_topics), key, headers, value, InvalidTopic)
     if fault == "key":
@@ -116,7 +128,7 @@ def cases(draw: st.DrawFn) -> Case:
         return Case(topic, key, headers, draw(unserializable), SerializationError)
     if fault == "size":
         return Case(topic, key, headers, draw(oversized), PayloadTooLarge)
-    return Case(topic, key, headers, value, None)
+    return Case(topic, key, headers, value, None, draw(valid_idempotency_keys))
 
 
 @pytest.fixture
@@ -156,7 +168,13 @@ def test_publish_writes_exactly_the_message_or_raises_the_documented_error(
         with ob.transaction() as tx:
             tx.session.execute(sa.text("INSERT INTO business VALUES (:m)"), {"m": marker})
             try:
-                result = tx.publish(case.topic, case.value, key=case.key, headers=case.headers)
+                result = tx.publish(
+                    case.topic,
+                    case.value,
+                    key=case.key,
+                    headers=case.headers,
+                    idempotency_key=case.idempotency_key,
+                )
             except InvalidMessage as exc:
                 error = exc
                 if not keep_going:

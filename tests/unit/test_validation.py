@@ -58,7 +58,17 @@ def test_headers_from_mapping_or_pairs_keep_order_and_duplicates() -> None:
 
 @pytest.mark.parametrize(
     "headers",
-    ["a=1", b"raw", 5, [("a",)], [(1, b"x")], [("", b"x")], {"a": 1}, {"OUTBOX-ID": b"x"}],
+    [
+        "a=1",
+        b"raw",
+        5,
+        [("a",)],
+        [(1, b"x")],
+        [("", b"x")],
+        {"a": 1},
+        {"OUTBOX-ID": b"x"},
+        {"a\x00b": b"x"},
+    ],
 )
 def test_bad_headers_are_refused(headers: object) -> None:
     with pytest.raises(InvalidHeaders):
