@@ -121,9 +121,14 @@ def spark_records(spark: SparkSession, n: int, start_ms: int, span_ms: int) -> D
     )
 
 
+def libpq_url(url: str) -> str:
+    """The SQLAlchemy URL as psycopg's own connect() takes it."""
+    return sa.make_url(url).set(drivername="postgresql").render_as_string(False)
+
+
 def load_outbox(url: str, n: int, window: AuditWindow, span_ms: int) -> float:
     migrate.upgrade(url)
-    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(False)
+    conninfo = libpq_url(url)
     started = time.monotonic()
     params = {
         "topic": TOPIC,
@@ -189,7 +194,7 @@ def baseline(url: str, csv_dir: Path, window: AuditWindow, as_of: datetime) -> t
     """Load the export with COPY and audit with one SQL statement; (seconds, counts)."""
     from spark_jobs.window import uuid7_floor
 
-    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(False)
+    conninfo = libpq_url(url)
     started = time.monotonic()
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute("SET work_mem = '256MB'")
@@ -236,7 +241,7 @@ def baseline(url: str, csv_dir: Path, window: AuditWindow, as_of: datetime) -> t
 def produce_to_kafka(bootstrap: str, records: DataFrame, url: str) -> float:
     """The archive's records produced to a fresh topic with their timestamps; the offsets the
     broker gave them are then recorded on the outbox rows."""
-    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(False)
+    conninfo = libpq_url(url)
     admin = AdminClient({"bootstrap.servers": bootstrap})
     if TOPIC in admin.list_topics(timeout=10).topics:
         admin.delete_topics([TOPIC])[TOPIC].result(60)

@@ -9,6 +9,14 @@ from typing import Any, TypeVar
 
 import click
 
+from outbox.cli_options import (
+    DATABASE_URL,
+    SCHEMA,
+    TABLE,
+    bootstrap_servers_option,
+    kafka_settings_option,
+    parse_key_values,
+)
 from outbox.errors import OutboxError
 from outbox.schema import OutboxTableSpec
 
@@ -19,28 +27,6 @@ T = TypeVar("T")
 @click.version_option(package_name="outbox-kafka")
 def main() -> None:
     """Transactional outbox for PostgreSQL and Kafka."""
-
-
-DATABASE_URL = click.option(
-    "--database-url",
-    envvar="OUTBOX_DATABASE_URL",
-    required=True,
-    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db [env: OUTBOX_DATABASE_URL]",
-)
-SCHEMA = click.option(
-    "--schema",
-    envvar="OUTBOX_SCHEMA",
-    default="public",
-    show_default=True,
-    help="Schema of the outbox table [env: OUTBOX_SCHEMA]",
-)
-TABLE = click.option(
-    "--table",
-    envvar="OUTBOX_TABLE",
-    default="outbox",
-    show_default=True,
-    help="Name of the outbox table [env: OUTBOX_TABLE]",
-)
 
 
 def _spec(schema: str, table: str) -> OutboxTableSpec:
@@ -125,20 +111,10 @@ def purge(database_url: str, schema: str, table: str, older_than: str, batch_siz
 @DATABASE_URL
 @SCHEMA
 @TABLE
-@click.option(
-    "--bootstrap-servers",
-    envvar="OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
-    required=True,
-    help="Kafka bootstrap servers [env: OUTBOX_KAFKA_BOOTSTRAP_SERVERS]",
-)
-@click.option(
-    "-X",
-    "--kafka",
-    "kafka_settings",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A Kafka client setting, e.g. -X security.protocol=SASL_SSL (repeatable). "
-    "OUTBOX_KAFKA_<NAME> variables work too: OUTBOX_KAFKA_SASL_PASSWORD -> sasl.password.",
+@bootstrap_servers_option(required=True)
+@kafka_settings_option(
+    "A Kafka client setting, e.g. -X security.protocol=SASL_SSL (repeatable). "
+    "OUTBOX_KAFKA_<NAME> variables work too: OUTBOX_KAFKA_SASL_PASSWORD -> sasl.password."
 )
 @click.option(
     "--mode",
@@ -231,12 +207,11 @@ def relay(
     from relay.policy import RetryPolicy
 
     configure_logging(log_level)
-    kafka = {**kafka_config_from_env(), "bootstrap.servers": bootstrap_servers}
-    for setting in kafka_settings:
-        key, sep, value = setting.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint="-X")
-        kafka[key.strip()] = value
+    kafka = {
+        **kafka_config_from_env(),
+        **parse_key_values(kafka_settings),
+        "bootstrap.servers": bootstrap_servers,
+    }
     try:
         config = RelayConfig(
             database_url=database_url,

@@ -10,15 +10,28 @@ import json
 import os
 import sys
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
+from outbox.cli_options import (
+    DATABASE_URL,
+    SCHEMA,
+    TABLE,
+    bootstrap_servers_option,
+    kafka_settings_option,
+    parse_key_values,
+)
 from outbox.durations import parse_duration
 from outbox.errors import OutboxError
 from outbox.schema import OutboxTableSpec
 from outbox.validation import validate_identifier
 from relay.observability import mask_secrets as redact
+from spark_jobs.window import AuditWindow  # plain Python: PySpark loads only when the job runs
+
+if TYPE_CHECKING:
+    from spark_jobs.reconcile import ReconcileConfig
+    from spark_jobs.report import RunSummary
 
 #: Exit status when the job could not run (bad option, unreachable service); 1 means "found
 #: discrepancies over their limits", 0 "within limits".
@@ -48,9 +61,7 @@ def _moment(value: str, option: str) -> datetime:
 
 def build_window(
     day: str | None, start: str | None, end: str | None, grace: timedelta
-) -> Any:  # AuditWindow; imported lazily with the rest of spark_jobs
-    from spark_jobs.window import AuditWindow
-
+) -> AuditWindow:
     if day and (start or end):
         raise click.UsageError("give either --date or --start/--end, not both")
     try:
@@ -75,16 +86,6 @@ def _runs_table(name: str | None) -> str | None:
         return ".".join(validate_identifier(p, "--runs-table") for p in parts)
     except OutboxError as exc:
         raise click.BadParameter(str(exc), param_hint="--runs-table") from exc
-
-
-def _kafka_options(settings: tuple[str, ...]) -> dict[str, str]:
-    options = {}
-    for setting in settings:
-        key, sep, value = setting.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint="-X")
-        options[key.strip()] = value
-    return options
 
 
 def _check_database(database_url: str, spec: OutboxTableSpec) -> None:
@@ -118,14 +119,9 @@ def _check_kafka(bootstrap_servers: str) -> None:
 
 
 @click.command("reconcile")
-@click.option(
-    "--database-url",
-    envvar="OUTBOX_DATABASE_URL",
-    required=True,
-    help="SQLAlchemy URL of the outbox database [env: OUTBOX_DATABASE_URL]",
-)
-@click.option("--schema", envvar="OUTBOX_SCHEMA", default="public", show_default=True)
-@click.option("--table", envvar="OUTBOX_TABLE", default="outbox", show_default=True)
+@DATABASE_URL
+@SCHEMA
+@TABLE
 @click.option("--topic", "topics", multiple=True, help="Audit only these topics (repeatable).")
 @click.option("--date", "day", help="Audit this UTC day, YYYY-MM-DD [default: yesterday].")
 @click.option("--start", help="Window start, ISO date-time (UTC unless it says otherwise).")
@@ -138,18 +134,10 @@ def _check_kafka(bootstrap_servers: str) -> None:
     show_default=True,
     help="Where the topic side comes from.",
 )
-@click.option(
-    "--bootstrap-servers",
-    envvar="OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
-    help="Kafka bootstrap servers [env: OUTBOX_KAFKA_BOOTSTRAP_SERVERS]",
-)
-@click.option(
-    "-X",
-    "--kafka",
-    "kafka_settings",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A Kafka client setting for the topic read, e.g. -X security.protocol=SASL_SSL.",
+@bootstrap_servers_option(required=False)
+@kafka_settings_option(
+    "A Kafka client setting for the topic read (Java client names), e.g. "
+    "-X security.protocol=SASL_SSL (repeatable)."
 )
 @click.option("--archive", "archive_path", help="Path (or URI) of the topic archive.")
 @click.option(
@@ -224,7 +212,7 @@ def reconcile(
             topics=topics,
             source=source,
             bootstrap_servers=bootstrap_servers,
-            kafka_options=_kafka_options(kafka_settings),
+            kafka_options=parse_key_values(kafka_settings),
             archive_path=archive_path,
             archive_format=archive_format,
             stuck_after=_duration(stuck_after, "--stuck-after"),
@@ -251,7 +239,7 @@ def reconcile(
     sys.exit(summary.exit_code)
 
 
-def _run_on_spark(config: Any, master: str | None, driver_memory: str) -> Any:
+def _run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str) -> RunSummary:
     from spark_jobs.reconcile import run
     from spark_jobs.session import build_session
 

@@ -37,6 +37,11 @@ OUTBOX_COLUMNS = (
 )
 #: The topic side, from Kafka or an archive: one row per record carrying an outbox id.
 TOPIC_COLUMNS = ("message_id", "topic", "partition", "offset", "key", "value_hash", "timestamp")
+#: Its types, as a DDL string (for an empty topic side).
+TOPIC_SCHEMA = (
+    "message_id string, topic string, partition int, offset long, key binary, "
+    "value_hash string, timestamp timestamp"
+)
 
 DISCREPANCY_SCHEMA = StructType(
     [
@@ -86,7 +91,8 @@ def id_time(message_id: Column) -> Column:
 
 
 def match(outbox: DataFrame, topic: DataFrame) -> DataFrame:
-    """One row per message id: ``o`` (its outbox row or null), ``copies``, ``made_at``."""
+    """One row per message id: ``o`` (its outbox row or null), ``copies``, ``made_at`` and
+    ``topic`` (the row's, else the first copy's)."""
     rows = outbox.select(
         "message_id",
         F.struct(*[c for c in OUTBOX_COLUMNS if c != "message_id"]).alias("o"),
@@ -107,6 +113,7 @@ def match(outbox: DataFrame, topic: DataFrame) -> DataFrame:
         F.coalesce(
             id_time(F.col("message_id")), F.col("o.created_at"), first_copy["timestamp"]
         ).alias("made_at"),
+        F.coalesce(F.col("o.topic"), first_copy["topic"]).alias("topic"),
     )
 
 
@@ -209,10 +216,9 @@ def find(matched: DataFrame, rules: AuditRules, classes: Iterable[str] = CLASSES
             for name in wanted
         ]
     )
-    first_copy = F.try_element_at(F.col("copies"), F.lit(1))
     flagged = in_scope(matched, rules.window).select(
         "message_id",
-        F.coalesce(F.col("o.topic"), first_copy["topic"]).alias("topic"),
+        "topic",
         "made_at",
         F.explode(F.filter(entries, lambda e: e.isNotNull())).alias("d"),
     )

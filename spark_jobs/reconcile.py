@@ -118,7 +118,7 @@ def run(
         if topics or config.source == "archive":
             records = _topic_side(spark, config, topics)
         else:  # nothing was published in the window: an empty topic side
-            records = spark.createDataFrame([], outbox_free_topic_schema())
+            records = spark.createDataFrame([], d.TOPIC_SCHEMA)
         # One pass: the scan counts are observed while the discrepancy rows are written.
         scan = Observation("scan")
         matched = d.match(outbox, records).observe(
@@ -166,13 +166,6 @@ def run(
     if config.runs_table:
         record_run(spark, config, summary, as_of)
     return summary
-
-
-def outbox_free_topic_schema() -> str:
-    return (
-        "message_id string, topic string, partition int, offset long, key binary, "
-        "value_hash string, timestamp timestamp"
-    )
 
 
 def write_summary(summary: RunSummary, path: Path) -> None:
