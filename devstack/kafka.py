@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import os
 import shutil
+import signal
 import subprocess
 import uuid
 from dataclasses import dataclass, field
@@ -113,6 +115,17 @@ class KafkaBroker:
         pid = self.pid
         if pid is not None:
             terminate(pid, grace=30.0)
+        if self._process is not None:
+            self._process.wait(timeout=10)
+            self._process = None
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """kill -9, as a crash: the next start recovers the logs."""
+        pid = self.pid
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(pid), 30, f"broker {pid} to die")
         if self._process is not None:
             self._process.wait(timeout=10)
             self._process = None

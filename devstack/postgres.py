@@ -187,11 +187,13 @@ class PostgresServer:
         )
         pid_file.unlink(missing_ok=True)
 
-    def stop(self) -> None:
+    def stop(self, mode: str = "fast") -> None:
+        """``fast`` rolls back open transactions and checkpoints; ``immediate`` is a crash
+        (no checkpoint: the next start replays the WAL)."""
         if not self.running():
             return
         result = run_as_postgres(
-            [str(server_bindir() / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "stop"]
+            [str(server_bindir() / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop"]
         )
         if result.returncode != 0 and self.running():
             pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])

@@ -60,3 +60,19 @@ def consume_all(
         bootstrap, topic, expect=expect, isolation=isolation, timeout=timeout
     )
     return [(m.key(), m.value()) for m in messages]
+
+
+def create_topics(bootstrap: str, names: list[str], partitions: int = 1) -> None:
+    """Create ``names`` (replication factor 1); an existing topic is kept as it is."""
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics(
+        [NewTopic(name, partitions, 1) for name in names], operation_timeout=30
+    )
+    for future in futures.values():
+        try:
+            future.result(60)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
