@@ -132,6 +132,11 @@ class Relay:
                     log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), pause)
                     self._stop.wait(pause)
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
+                except TimeoutError as error:
+                    # Kafka did not answer in time (reading progress records in a take-over).
+                    log.error("Kafka timed out: %s; retrying in %.1fs", error, pause)
+                    self._stop.wait(pause)
+                    pause = min(MAX_ERROR_PAUSE, pause * 2)
         finally:
             self._shutdown()
             if server is not None:
@@ -223,6 +228,10 @@ class Relay:
             pass
 
     def _connect(self) -> None:
+        # Kafka first: a publisher that could not be made (broker unreachable) is retried on
+        # the next round even when the database connection is already up.
+        if self._publisher is None:
+            self._publisher = self._make_publisher()
         if self._conn is not None and not self._conn.closed:
             return
         url = sa.make_url(self.config.database_url)
@@ -247,8 +256,6 @@ class Relay:
         self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
         self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
         self._ownership.join()
-        if self._publisher is None:
-            self._publisher = self._make_publisher()
         self.health.database_ok = True
         self._next_rebalance = 0.0
         log.info("connected; listening on %s", self.config.spec.notify_channel)
