@@ -467,5 +467,15 @@ def _add_reconcile() -> None:
 
 _add_reconcile()
 
+
+def _add_chaos() -> None:
+    # The run's modules load the stack and Spark only when it runs.
+    from chaos.cli import chaos
+
+    main.add_command(chaos)
+
+
+_add_chaos()
+
 if __name__ == "__main__":
     main()

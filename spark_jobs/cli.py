@@ -232,14 +232,18 @@ def reconcile(
         assert bootstrap_servers is not None
         _check_kafka(bootstrap_servers)
 
-    summary = _run_on_spark(config, master, driver_memory)
+    summary = run_on_spark(config, master, driver_memory)
     click.echo(render(summary))
     if as_json:
         click.echo(json.dumps(summary.to_json()))
     sys.exit(summary.exit_code)
 
 
-def _run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str) -> RunSummary:
+def run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str) -> RunSummary:
+    """Run the job on a session made for it (local mode gets the stack's jars) and stop it.
+
+    Spark's own failures become a one-line :class:`JobError`.
+    """
     from spark_jobs.reconcile import run
     from spark_jobs.session import build_session
 

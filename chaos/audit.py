@@ -1,0 +1,166 @@
+"""After the run: what the database holds, what the topics hold, and whether they agree.
+
+Missing, phantom and duplicate messages come from the reconciliation job; this module adds
+what the job does not look at: per-key order on the topics, rolled-back messages, atomicity
+with the business rows, and commits the writers saw confirmed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from chaos.writers import BUSINESS_TABLE
+from outbox import ID_HEADER
+
+
+@dataclass(frozen=True)
+class TopicRecord:
+    """One record read back from a topic."""
+
+    message_id: uuid.UUID | None
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """An outbox row, as far as ordering goes."""
+
+    seq: int
+    topic: str
+    key: bytes | None
+
+
+def read_topics(bootstrap: str, topics: Iterable[str], timeout: float = 120.0) -> list[TopicRecord]:
+    """Every committed record of ``topics`` (read_committed), up to each partition's end."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"chaos-audit-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+    )
+    try:
+        metadata = consumer.list_topics(timeout=30)
+        partitions = [
+            TopicPartition(topic, p, 0)  # offset 0: from the start
+            for topic in topics
+            for p in sorted(metadata.topics[topic].partitions)
+        ]
+        consumer.assign(partitions)
+        pending = {(tp.topic, tp.partition) for tp in partitions}
+        records: list[TopicRecord] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topics not read to their end in {timeout:.0f}s: {pending}")
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    pending.discard((message.topic(), message.partition()))
+                    continue
+                raise KafkaException(error)
+            records.append(_record(message))
+        return records
+    finally:
+        consumer.close()
+
+
+def _record(message) -> TopicRecord:  # type: ignore[no-untyped-def]
+    headers = dict(message.headers() or [])
+    raw = headers.get(ID_HEADER)
+    try:
+        message_id = uuid.UUID(raw.decode()) if raw else None
+    except ValueError:
+        message_id = None
+    return TopicRecord(
+        message_id, message.topic(), message.partition(), message.offset(), message.key()
+    )
+
+
+def row_facts(engine: sa.Engine, topics: Iterable[str]) -> dict[uuid.UUID, RowFacts]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT id, seq, topic, key FROM outbox WHERE topic = ANY(:topics)"),
+            {"topics": list(topics)},
+        )
+        return {row.id: RowFacts(row.seq, row.topic, row.key) for row in rows}
+
+
+def order_violations(
+    records: Iterable[TopicRecord], rows: Mapping[uuid.UUID, RowFacts]
+) -> list[str]:
+    """Per (topic, key): the first copy of each message must come in ``seq`` order, and a key
+    must stay in one partition. Later copies (at-least-once redeliveries) are not ordered.
+
+    Returns one line per violation.
+    """
+    seen: set[uuid.UUID] = set()
+    last: dict[tuple[str, bytes | None], tuple[int, int, uuid.UUID]] = {}
+    found: list[str] = []
+    for record in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)):
+        message_id = record.message_id
+        facts = rows.get(message_id) if message_id else None
+        if message_id is None or facts is None or message_id in seen:
+            continue  # phantoms are the reconciliation's; later copies are allowed anywhere
+        seen.add(message_id)
+        slot = (record.topic, record.key)
+        before = last.get(slot)
+        if before is not None:
+            partition, seq, previous = before
+            if partition != record.partition:
+                found.append(
+                    f"{record.topic} key {record.key!r}: {record.message_id} in partition "
+                    f"{record.partition}, {previous} in {partition}"
+                )
+            elif seq > facts.seq:
+                found.append(
+                    f"{record.topic} key {record.key!r}: {record.message_id} (seq {facts.seq}) "
+                    f"at offset {record.offset}, after {previous} (seq {seq})"
+                )
+        if before is None or before[1] < facts.seq:
+            last[slot] = (record.partition, facts.seq, message_id)
+    return found
+
+
+def present_ids(engine: sa.Engine, ids: Iterable[uuid.UUID]) -> set[uuid.UUID]:
+    """Which of ``ids`` have an outbox row."""
+    wanted = list(ids)
+    if not wanted:
+        return set()
+    with engine.connect() as conn:
+        query = sa.text("SELECT id FROM outbox WHERE id = ANY(:ids)")
+        return set(conn.execute(query, {"ids": wanted}).scalars())
+
+
+def atomicity_breaks(engine: sa.Engine, topics: Iterable[str]) -> int:
+    """Outbox rows without their business row, plus business rows missing a message."""
+    with engine.connect() as conn:
+        query = sa.text(
+            f"""
+            WITH listed AS (SELECT unnest(message_ids) AS id FROM {BUSINESS_TABLE}),
+                 rows AS (SELECT id FROM outbox WHERE topic = ANY(:topics))
+            SELECT (SELECT count(*) FROM rows WHERE id NOT IN (SELECT id FROM listed))
+                 + (SELECT count(*) FROM listed WHERE id NOT IN (SELECT id FROM rows))
+            """
+        )
+        return int(conn.execute(query, {"topics": list(topics)}).scalar_one())
+
+
+def status_counts(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT status, count(*) FROM outbox GROUP BY status"))
+        return {row[0]: int(row[1]) for row in rows}

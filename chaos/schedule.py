@@ -1,0 +1,125 @@
+"""The fault schedule: a pure function of the seed and the profile, so a run can be repeated.
+
+Faults run one after another: each starts ``gap`` seconds after the previous one healed, so
+the fault log says which fault a symptom belongs to. The first faults of every schedule are one
+of each kind, in an order drawn from the seed, so even the short profile exercises all of them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RELAY_KILL = "relay_kill"  # kill -9 one relay, restart it after the hold
+RELAY_TERM = "relay_term"  # SIGTERM one relay (it drains), restart it after the hold
+BROKER_RESTART = "broker_restart"  # stop the Kafka broker (SIGTERM or kill -9), start it again
+POSTGRES_RESTART = "postgres_restart"  # stop PostgreSQL (fast, or immediate = crash), start it
+NET_LATENCY = "net_latency"  # relay <-> broker traffic delayed by ``latency_ms`` per chunk
+NET_DROP = "net_drop"  # every relay <-> broker connection reset; new ones refused for the hold
+NET_STALL = "net_stall"  # connections stay open but no byte moves for the hold
+
+FAULT_KINDS = (
+    RELAY_KILL,
+    RELAY_TERM,
+    BROKER_RESTART,
+    POSTGRES_RESTART,
+    NET_LATENCY,
+    NET_DROP,
+    NET_STALL,
+)
+
+#: How long each kind of fault lasts, in seconds: (shortest, longest).
+HOLDS: dict[str, tuple[float, float]] = {
+    RELAY_KILL: (0.0, 4.0),
+    RELAY_TERM: (0.0, 4.0),
+    BROKER_RESTART: (1.0, 8.0),
+    POSTGRES_RESTART: (0.5, 4.0),
+    NET_LATENCY: (4.0, 12.0),
+    NET_DROP: (1.0, 5.0),
+    NET_STALL: (3.0, 15.0),
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How long the writers run, how often faults come, how much is written."""
+
+    name: str
+    duration: float
+    min_gap: float
+    max_gap: float
+    rate: float  # messages per second, all writers together
+    writers: int = 3
+    relays: int = 3
+
+
+PROFILES = {
+    "short": Profile("short", duration=75.0, min_gap=2.0, max_gap=5.0, rate=150.0),
+    "long": Profile("long", duration=1200.0, min_gap=3.0, max_gap=20.0, rate=300.0),
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: what, when (seconds after the writers start), on which relay, for how long."""
+
+    at: float
+    kind: str
+    hold: float
+    relay: int | None = None  # for relay faults: its index
+    how: str | None = None  # broker: "term" | "kill"; postgres: "fast" | "immediate"
+    latency_ms: int | None = None
+
+    @property
+    def heals_at(self) -> float:
+        return self.at + self.hold
+
+    def describe(self) -> str:
+        parts = [self.kind]
+        if self.relay is not None:
+            parts.append(f"relay-{self.relay}")
+        if self.how:
+            parts.append(self.how)
+        if self.latency_ms is not None:
+            parts.append(f"+{self.latency_ms}ms")
+        parts.append(f"for {self.hold:.1f}s")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fault]:
+    """The faults of one run: one of each kind first, then random kinds until ``duration``
+    (the profile's by default). Same ``seed`` and profile, same list."""
+    rng = random.Random(seed)
+    end = profile.duration if duration is None else duration
+    first_round = list(FAULT_KINDS)
+    rng.shuffle(first_round)
+    faults: list[Fault] = []
+    at = rng.uniform(profile.min_gap, profile.max_gap)
+    for kind in first_round:
+        faults.append(_draw(rng, kind, at, profile))
+        at = faults[-1].heals_at + rng.uniform(profile.min_gap, profile.max_gap)
+    while True:
+        fault = _draw(rng, rng.choice(FAULT_KINDS), at, profile)
+        if fault.heals_at > end:
+            return faults
+        faults.append(fault)
+        at = fault.heals_at + rng.uniform(profile.min_gap, profile.max_gap)
+
+
+def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
+    low, high = HOLDS[kind]
+    hold = round(rng.uniform(low, high), 1)
+    at = round(at, 1)
+    if kind in (RELAY_KILL, RELAY_TERM):
+        return Fault(at, kind, hold, relay=rng.randrange(profile.relays))
+    if kind == BROKER_RESTART:
+        return Fault(at, kind, hold, how=rng.choice(("term", "kill")))
+    if kind == POSTGRES_RESTART:
+        return Fault(at, kind, hold, how=rng.choice(("fast", "immediate")))
+    if kind == NET_LATENCY:
+        return Fault(at, kind, hold, latency_ms=rng.randrange(50, 800, 10))
+    return Fault(at, kind, hold)

@@ -1,0 +1,86 @@
+"""The chaos run's own servers: PostgreSQL, a Kafka broker with a second listener that the
+relays reach through the fault proxy, and the proxy itself.
+
+The broker advertises the proxy's port on that listener, so every connection a relay's Kafka
+client makes (bootstrap and partition leaders alike) goes through the proxy. The harness itself
+(topic set-up, the audit) uses the broker's plain listener, untouched by network faults.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from chaos.proxy import FaultProxy
+from devstack.kafka import KafkaBroker
+from devstack.postgres import PostgresServer
+from devstack.procs import free_port
+from devstack.stack import LocalStack, StackInfo, stack_home
+
+DATABASE = "chaos"
+
+
+class ChaosStack:
+    """Servers under ``<stack home>/run/<name>``, removed by :meth:`down`."""
+
+    def __init__(self, name: str, run_dir: Path | None = None) -> None:
+        self.local = LocalStack(run_dir or stack_home() / "run" / name, durable=True)
+        self.external_port = free_port()
+        self.proxy = FaultProxy(free_port(), self.external_port)
+        kafka = self.local.kafka
+        kafka.port = free_port()
+        kafka.controller_port = free_port()
+        kafka.extra_config = {
+            "listeners": (
+                f"PLAINTEXT://127.0.0.1:{kafka.port},"
+                f"RELAYS://127.0.0.1:{self.external_port},"
+                f"CONTROLLER://127.0.0.1:{kafka.controller_port}"
+            ),
+            "advertised.listeners": (
+                f"PLAINTEXT://127.0.0.1:{kafka.port},RELAYS://127.0.0.1:{self.proxy.listen_port}"
+            ),
+            "listener.security.protocol.map": (
+                "PLAINTEXT:PLAINTEXT,RELAYS:PLAINTEXT,CONTROLLER:PLAINTEXT"
+            ),
+        }
+        self.info: StackInfo | None = None
+
+    @property
+    def postgres(self) -> PostgresServer:
+        return self.local.postgres
+
+    @property
+    def kafka(self) -> KafkaBroker:
+        return self.local.kafka
+
+    @property
+    def run_dir(self) -> Path:
+        return self.local.run_dir
+
+    @property
+    def relay_bootstrap(self) -> str:
+        """Where relays connect: the proxy."""
+        return f"127.0.0.1:{self.proxy.listen_port}"
+
+    @property
+    def direct_bootstrap(self) -> str:
+        """The broker's own listener, for set-up and the audit."""
+        return self.kafka.bootstrap_servers
+
+    @property
+    def database_url(self) -> str:
+        assert self.info is not None, "the stack is not up"
+        return self.info.database_url
+
+    def up(self) -> StackInfo:
+        self.proxy.start()
+        self.info = self.local.up(database=DATABASE)
+        return self.info
+
+    def down(self, keep_files: bool = False) -> None:
+        self.proxy.close()
+        for server in (self.kafka, self.postgres):
+            server.stop()
+        if not keep_files:
+            shutil.rmtree(self.postgres.root, ignore_errors=True)
+            shutil.rmtree(self.run_dir, ignore_errors=True)

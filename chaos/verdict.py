@@ -1,0 +1,67 @@
+"""The verdict: pure logic on the counts the audit collected, so it is tested without servers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from relay.config import EXACTLY_ONCE
+from spark_jobs import discrepancies as d
+
+#: Classes that are a violation in both modes (``duplicate`` only in exactly-once mode;
+#: ``late`` is expected while faults hold deliveries back).
+ALWAYS_ZERO = (d.PHANTOM, d.PAYLOAD_MISMATCH, d.MISROUTED, d.OFFSET_MISMATCH)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """Everything the audit found after a run drained."""
+
+    mode: str
+    reconciliation: Mapping[str, int]  # count per discrepancy class
+    order_violations: int = 0
+    rolled_back_in_table: int = 0
+    rolled_back_on_topic: int = 0
+    lost_commits: int = 0  # confirmed to a writer, yet no outbox row
+    atomicity_breaks: int = 0  # outbox rows and business rows that disagree
+    relay_crashes: int = 0  # relays that exited without being told to
+    writer_failures: list[str] = field(default_factory=list)
+
+    @property
+    def missing(self) -> int:
+        """Committed messages not on their topic: marked sent but absent, or never sent."""
+        return self.reconciliation.get(d.MISSING, 0) + self.reconciliation.get(d.STUCK, 0)
+
+    @property
+    def duplicates(self) -> int:
+        return self.reconciliation.get(d.DUPLICATE, 0)
+
+    @property
+    def phantom(self) -> int:
+        return self.reconciliation.get(d.PHANTOM, 0)
+
+    def violations(self) -> list[str]:
+        """One line per broken guarantee; empty means the run passed."""
+        found = []
+        if self.missing:
+            found.append(f"{self.missing} committed messages missing from the topics")
+        for name in ALWAYS_ZERO:
+            if count := self.reconciliation.get(name, 0):
+                found.append(f"{count} {name.replace('_', ' ')}")
+        if self.mode == EXACTLY_ONCE and self.duplicates:
+            found.append(f"{self.duplicates} duplicates in exactly-once mode")
+        checks = (
+            (self.order_violations, "per-key order violations"),
+            (self.rolled_back_in_table, "rolled-back messages in the outbox table"),
+            (self.rolled_back_on_topic, "rolled-back messages on a topic"),
+            (self.lost_commits, "confirmed commits without an outbox row"),
+            (self.atomicity_breaks, "outbox rows and business rows that disagree"),
+            (self.relay_crashes, "relay exits nobody asked for"),
+        )
+        found += [f"{count} {what}" for count, what in checks if count]
+        found += [f"writer failed: {failure}" for failure in self.writer_failures]
+        return found
+
+    @property
+    def verdict(self) -> str:
+        return "FAIL" if self.violations() else "PASS"
