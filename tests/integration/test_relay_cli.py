@@ -85,17 +85,27 @@ def test_dead_messages_can_be_listed_shown_retried_and_purged(outbox_url, engine
     assert [(r.id, r.status, r.attempts) for r in rows] == [(ids[0], "pending", 0)]
 
 
-def test_relay_logs_are_json_and_carry_no_secrets(outbox_url, bootstrap_servers, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_relay_logs_and_metrics_are_free_of_secrets(
+    outbox_url, bootstrap_servers, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import urllib.request
+
     from tests.relay_helpers import start_relay_process, stop_process
 
     log = tmp_path / "relay.log"
     relay = start_relay_process(
         outbox_url, bootstrap_servers, "-X", "sasl.password=hunter2-kafka-secret", log=log
     )
+    scraped = ""
+    for path in ("metrics", "healthz", "readyz"):
+        url = f"http://127.0.0.1:{relay.metrics_port}/{path}"
+        scraped += urllib.request.urlopen(url, timeout=5).read().decode()
     assert stop_process(relay) == 0
     text = log.read_text()
     database_password = sa.make_url(outbox_url).password
     assert database_password and database_password not in text
+    assert "outbox_relay_" in scraped  # the metrics were really read
+    assert database_password not in scraped and "hunter2-kafka-secret" not in scraped
     assert "hunter2-kafka-secret" not in text
     assert "'sasl.password': '***'" in text  # the start-up line shows the setting, masked
     import json
