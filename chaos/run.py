@@ -148,16 +148,15 @@ class ChaosRun:
             findings, extra = self._audit(window_start, window_end)
         finally:
             self._tear_down()
-        committed, rolled_back, uncertain = self._writer_counts()
         return ChaosResult(
             self.settings,
             time.monotonic() - started,
             list(self.log.faults),
-            committed,
-            rolled_back,
-            uncertain,
-            findings,
-            extra,
+            committed=extra.pop("committed"),
+            rolled_back=sum(len(w.tally.rolled_back) for w in self.writers),
+            uncertain=sum(len(w.tally.uncertain) for w in self.writers),
+            findings=findings,
+            extra=extra,
         )
 
     # -- steps -----------------------------------------------------------------------------
@@ -272,6 +271,7 @@ class ChaosRun:
             self.log.event(f"drained: {audit.status_counts(engine)}")
         finally:
             engine.dispose()
+        self._wait_until(self.log.elapsed())  # a last look for relays that died meanwhile
         codes = self.fleet.stop_all()
         self.log.event(f"relays stopped with SIGTERM, exit codes {codes}")
 
@@ -308,6 +308,7 @@ class ChaosRun:
                 lost_commits=len(set(committed) - set(rows)),
                 atomicity_breaks=audit.atomicity_breaks(engine, TOPICS),
                 relay_crashes=len(self.fleet.crashes) if self.fleet else 0,
+                unclean_stops=sum(1 for c in self.fleet.term_exits if c) if self.fleet else 0,
                 writer_failures=[repr(w.failure) for w in self.writers if w.failure],
             )
             statuses = audit.status_counts(engine)
@@ -315,9 +316,8 @@ class ChaosRun:
             engine.dispose()
         for line in order[:20]:
             self.echo(f"  order: {line}")
-        self._committed_rows = len(rows)
-        self._uncertain_committed = len(uncertain_present)
         extra = {
+            "committed": len(rows),  # the table is the truth: confirmed + uncertain that made it
             "outbox_rows": summary.outbox_rows,
             "topic_records": summary.topic_records,
             "reconciliation": summary.per_class(),
@@ -328,12 +328,6 @@ class ChaosRun:
             "output": str(self.settings.output),
         }
         return findings, extra
-
-    def _writer_counts(self) -> tuple[int, int, int]:
-        committed = getattr(self, "_committed_rows", 0)
-        rolled_back = sum(len(w.tally.rolled_back) for w in self.writers)
-        uncertain = sum(len(w.tally.uncertain) for w in self.writers)
-        return committed, rolled_back, uncertain
 
     def _tear_down(self) -> None:
         for writer in self.writers:

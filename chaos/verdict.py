@@ -25,6 +25,7 @@ class Findings:
     lost_commits: int = 0  # confirmed to a writer, yet no outbox row
     atomicity_breaks: int = 0  # outbox rows and business rows that disagree
     relay_crashes: int = 0  # relays that exited without being told to
+    unclean_stops: int = 0  # relays that did not exit 0 after SIGTERM
     writer_failures: list[str] = field(default_factory=list)
 
     @property
@@ -57,6 +58,7 @@ class Findings:
             (self.lost_commits, "confirmed commits without an outbox row"),
             (self.atomicity_breaks, "outbox rows and business rows that disagree"),
             (self.relay_crashes, "relay exits nobody asked for"),
+            (self.unclean_stops, "relays that did not exit 0 after SIGTERM"),
         )
         found += [f"{count} {what}" for count, what in checks if count]
         found += [f"writer failed: {failure}" for failure in self.writer_failures]

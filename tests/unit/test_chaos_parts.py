@@ -120,6 +120,7 @@ def test_a_clean_run_passes_and_at_least_once_duplicates_and_late_messages_are_a
         (Findings("at-least-once", CLEAN, lost_commits=1), "confirmed commits without"),
         (Findings("at-least-once", CLEAN, atomicity_breaks=1), "business rows that disagree"),
         (Findings("at-least-once", CLEAN, relay_crashes=1), "relay exits nobody asked for"),
+        (Findings("at-least-once", CLEAN, unclean_stops=1), "did not exit 0 after SIGTERM"),
         (Findings("at-least-once", CLEAN, writer_failures=["boom"]), "writer failed: boom"),
     ],
 )
