@@ -26,8 +26,9 @@ class FaultProxy:
         self.host = host
         self.listen_port = listen_port
         self.upstream_port = upstream_port
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy")
+        # Made in start(): a proxy that never starts holds no event loop.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._flowing = asyncio.Event()
@@ -38,16 +39,19 @@ class FaultProxy:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy")
         self._thread.start()
         self._call(self._start())
 
     def close(self) -> None:
-        if not self._thread.is_alive():
+        if self._loop is None or self._thread is None:
             return
         self._call(self._close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+        self._loop = self._thread = None
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -75,6 +79,9 @@ class FaultProxy:
     # -- the loop side -----------------------------------------------------------------------
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("the proxy is not running: call start() first")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     async def _start(self) -> None:

@@ -140,3 +140,60 @@ def test_plan_only_prints_the_seeds_schedule_without_starting_anything() -> None
     assert result.exit_code == 0
     printed = [json.loads(line) for line in result.output.splitlines()]
     assert printed == [fault.to_json() for fault in plan(5, SHORT)]
+
+
+def _invoke_with_outcome(monkeypatch: pytest.MonkeyPatch, tmp_path, outcome):  # type: ignore[no-untyped-def]
+    """Run the CLI with the run's orchestration replaced by ``outcome`` (a result or error)."""
+    from click.testing import CliRunner
+
+    from chaos import run as chaos_run
+    from chaos.cli import chaos
+
+    def execute(self: chaos_run.ChaosRun) -> chaos_run.ChaosResult:
+        if isinstance(outcome, Exception):
+            raise outcome
+        return chaos_run.ChaosResult(
+            self.settings, 12.0, [{"kind": "net_drop"}], 100, 10, 0, outcome, _EXTRA
+        )
+
+    monkeypatch.setattr(chaos_run.ChaosRun, "execute", execute)
+    args = ["--seed", "3", "--output", str(tmp_path), "--mode", "exactly-once"]
+    return CliRunner().invoke(chaos, args)
+
+
+_EXTRA = {
+    "outbox_rows": 100,
+    "topic_records": 101,
+    "reconciliation": {},
+    "uncertain_commits": 0,
+    "uncertain_committed": 0,
+}
+
+
+def test_a_violation_is_reported_and_exits_1_with_the_json_last(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    findings = Findings("exactly-once", {**CLEAN, d.DUPLICATE: 1})
+    result = _invoke_with_outcome(monkeypatch, tmp_path, findings)
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    body = json.loads(lines[-1])
+    assert body["verdict"] == "FAIL" and body["duplicates"] == 1 and body["seed"] == 3
+    assert "VIOLATION: 1 duplicates in exactly-once mode" in result.output
+
+
+def test_a_run_that_cannot_be_carried_out_exits_2_in_one_line_without_the_password(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from devstack.procs import StackError
+
+    error = StackError("PostgreSQL did not start: postgresql://app:hunter2@127.0.0.1:5/x\nmore")
+    result = _invoke_with_outcome(monkeypatch, tmp_path, error)
+    assert result.exit_code == 2
+    assert "hunter2" not in result.output
+    body = json.loads(result.output.strip().splitlines()[-1])
+    assert body["verdict"] == "ERROR" and "PostgreSQL did not start" in body["error"]
