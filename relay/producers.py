@@ -101,6 +101,21 @@ def _produce_all(
         result.not_attempted.append(record_id)
 
 
+def kafka_error_of(exc: BaseException) -> KafkaError | None:
+    """The KafkaError behind ``exc``, or None.
+
+    A fatal producer error (fenced, say) is raised from inside ``flush()``; when a delivery
+    report runs after it, confluent-kafka reports a SystemError caused by the KafkaException.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KafkaException):
+            error: KafkaError = seen.args[0]
+            return error
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class AtLeastOncePublisher:
     """One idempotent producer (acks=all) for every shard this relay owns."""
 
@@ -112,9 +127,8 @@ class AtLeastOncePublisher:
     ) -> None:
         self.delivery_timeout = delivery_timeout_ms / 1000
         self.give_up = give_up
-        self.producer = Producer(
-            producer_config({**kafka_config, "delivery.timeout.ms": delivery_timeout_ms})
-        )
+        self.config = producer_config({**kafka_config, "delivery.timeout.ms": delivery_timeout_ms})
+        self.producer = Producer(self.config)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         return []
@@ -124,8 +138,29 @@ class AtLeastOncePublisher:
 
     def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
         result = BatchResult()
-        _produce_all(self.producer, records, result, self.delivery_timeout + 10, self.give_up)
+        try:
+            _produce_all(self.producer, records, result, self.delivery_timeout + 10, self.give_up)
+        except (KafkaException, SystemError) as exc:
+            error = kafka_error_of(exc)
+            if error is None:
+                raise
+            # Cut short: rows without a report go back to pending, to be sent again.
+            settled = {ack.id for ack in result.acks} | set(result.errors)
+            result.not_attempted.extend(r.id for r in records if r.id not in settled)
+            self._replace_if_fatal(error)
+            return result
+        for error in result.errors.values():
+            if self._replace_if_fatal(error):
+                break
         return result
+
+    def _replace_if_fatal(self, error: KafkaError) -> bool:
+        """A fatal error leaves the idempotent producer unusable: start a new one."""
+        if not error.fatal():
+            return False
+        log.warning("the idempotent producer failed for good (%s); starting a new one", error)
+        self.producer = Producer(self.config)
+        return True
 
     def close(self) -> None:
         self.producer.flush(30)
@@ -236,8 +271,11 @@ class ExactlyOncePublisher:
                 partition=shard,
             )
             producer.commit_transaction(60)
-        except KafkaException as exc:
-            error: KafkaError = exc.args[0]
+        except (KafkaException, SystemError) as exc:
+            found = kafka_error_of(exc)
+            if found is None:
+                raise
+            error = found
             result.acks.clear()
             result.errors.clear()
             result.not_attempted = [r.id for r in records]

@@ -1,0 +1,61 @@
+"""A relay whose shard was taken over mid-flight: its publisher is fenced, gives the shard up
+and reports the batch as not sent, instead of raising out of the relay's loop."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from outbox import ID_HEADER
+from outbox.records import OutboxRecord
+from relay.producers import ExactlyOncePublisher
+from relay.progress import ensure_progress_topic
+
+pytestmark = pytest.mark.integration
+
+
+def records(topic: str, count: int) -> list[OutboxRecord]:
+    made = []
+    for n in range(count):
+        record_id = uuid.uuid4()
+        headers: list[tuple[str, bytes | None]] = [(ID_HEADER, str(record_id).encode())]
+        made.append(OutboxRecord(record_id, n, 0, topic, b"k", b"%d" % n, headers))
+    return made
+
+
+def test_a_fenced_publisher_gives_the_shard_up_and_the_new_owner_sends(
+    bootstrap_servers: str, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    topic = make_topic("fenced")
+    prefix = f"fence-{uuid.uuid4().hex[:8]}"
+    progress = f"p-{prefix}"
+    config = {"bootstrap.servers": bootstrap_servers}
+    ensure_progress_topic(AdminClient(config), progress)
+
+    def publisher(owner: str) -> ExactlyOncePublisher:
+        return ExactlyOncePublisher(
+            config,
+            transactional_id_prefix=prefix,
+            progress_topic=progress,
+            owner=owner,
+            delivery_timeout_ms=10_000,
+        )
+
+    old, new = publisher("old"), publisher("new")
+    try:
+        old.take_over([0])
+        batch = records(topic, 50)
+        assert len(old.publish(batch[:10]).acks) == 10  # the old owner works until fenced
+        new.take_over([0])  # fences the old owner's producer
+        result = old.publish(batch[10:])
+        assert result.fenced == [0]
+        assert not result.acks and not result.errors
+        assert sorted(result.not_attempted) == sorted(r.id for r in batch[10:])
+        assert 0 not in old.producers
+        sent = new.publish(batch[10:])
+        assert len(sent.acks) == 40 and not sent.fenced
+    finally:
+        old.close()
+        new.close()
