@@ -147,14 +147,18 @@ def present_ids(engine: sa.Engine, ids: Iterable[uuid.UUID]) -> set[uuid.UUID]:
 
 
 def atomicity_breaks(engine: sa.Engine, topics: Iterable[str]) -> int:
-    """Outbox rows without their business row, plus business rows missing a message."""
+    """Outbox rows without their business row, plus business rows missing a message.
+
+    One hash full join: ``NOT IN`` over a subquery larger than work_mem is quadratic.
+    """
     with engine.connect() as conn:
         query = sa.text(
             f"""
-            WITH listed AS (SELECT unnest(message_ids) AS id FROM {BUSINESS_TABLE}),
-                 rows AS (SELECT id FROM outbox WHERE topic = ANY(:topics))
-            SELECT (SELECT count(*) FROM rows WHERE id NOT IN (SELECT id FROM listed))
-                 + (SELECT count(*) FROM listed WHERE id NOT IN (SELECT id FROM rows))
+            SELECT count(*)
+              FROM (SELECT unnest(message_ids) AS id FROM {BUSINESS_TABLE}) AS listed
+              FULL JOIN (SELECT id FROM outbox WHERE topic = ANY(:topics)) AS rows
+                ON rows.id = listed.id
+             WHERE rows.id IS NULL OR listed.id IS NULL
             """
         )
         return int(conn.execute(query, {"topics": list(topics)}).scalar_one())

@@ -63,3 +63,39 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
     assert summary["discrepancies"]["missing"] == 0
     for index in range(3):
         assert (tmp_path / f"relay-{index}.log").stat().st_size > 0
+
+
+def test_the_audit_sees_a_broken_atomicity_and_a_reordered_key(
+    engine, bootstrap_servers: str, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    """The audit's own checks on planted faults: they can fail, so a PASS means something."""
+    import uuid
+
+    import sqlalchemy as sa
+    from confluent_kafka import Producer
+
+    from chaos import audit
+    from chaos.writers import BUSINESS_TABLE, CREATE_BUSINESS_TABLE
+    from outbox import ID_HEADER
+    from tests.relay_helpers import publish_orders
+
+    topic = make_topic("audit")
+    ids = publish_orders(engine, topic, 6, keys=1)  # one key: n = 0..5 in seq order
+    with engine.begin() as conn:
+        conn.execute(sa.text(CREATE_BUSINESS_TABLE))
+        # Business rows list the first four messages and one that has no outbox row.
+        conn.execute(
+            sa.text(f"INSERT INTO {BUSINESS_TABLE} (id, writer, message_ids) VALUES (:i, 0, :m)"),
+            {"i": uuid.uuid4(), "m": [*ids[:4], uuid.uuid4()]},
+        )
+    assert audit.atomicity_breaks(engine, [topic]) == 2 + 1  # 2 rows unlisted, 1 listed absent
+    assert audit.present_ids(engine, [ids[0], uuid.uuid4()]) == {ids[0]}
+
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    for message_id in [ids[0], ids[2], ids[1], ids[3], ids[4], ids[5]]:  # 2 overtakes 1
+        producer.produce(topic, b"{}", key=b"key-0", headers=[(ID_HEADER, str(message_id))])
+    producer.flush(30)
+    records = audit.read_topics(bootstrap_servers, [topic])
+    assert [r.message_id for r in records][:3] == [ids[0], ids[2], ids[1]]
+    found = audit.order_violations(records, audit.row_facts(engine, [topic]))
+    assert len(found) == 1 and str(ids[1]) in found[0]
