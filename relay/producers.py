@@ -198,16 +198,15 @@ class ExactlyOncePublisher:
             if not key.startswith(("linger", "compression", "acks", "enable.idempotence"))
             and key not in {"max.in.flight.requests.per.connection", "delivery.timeout.ms"}
         }
-        self._consumer = Consumer(
-            {
-                **consumer_config,
-                "group.id": f"{self.prefix}-progress-reader",
-                "isolation.level": "read_committed",
-                "enable.auto.commit": False,
-                "enable.partition.eof": True,
-                "auto.offset.reset": "earliest",
-            }
-        )
+        self._consumer_config = {
+            **consumer_config,
+            "group.id": f"{self.prefix}-progress-reader",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+        self._consumer = Consumer(self._consumer_config)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         """Fence earlier owners of ``shards`` and return what their last transactions sent."""
@@ -225,7 +224,14 @@ class ExactlyOncePublisher:
             )
             producer.init_transactions(60)  # fences the old owner, ends its open transaction
             self.producers[shard] = producer
-            recovered.extend(last_committed(self._consumer, self.progress_topic, shard))
+            try:
+                recovered.extend(last_committed(self._consumer, self.progress_topic, shard))
+            except (KafkaException, TimeoutError):
+                # After a broker restart a client's metadata can stay wrong ("Unknown
+                # partition" for minutes, seen in a chaos run); the next try gets a new one.
+                self._consumer.close()
+                self._consumer = Consumer(self._consumer_config)
+                raise
         return recovered
 
     def let_go(self, shards: Sequence[int]) -> None:
