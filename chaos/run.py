@@ -61,10 +61,6 @@ class ChaosSettings:
     rate: float | None = None  # overrides the profile's
     keep_data: bool = False
 
-    @property
-    def run_id(self) -> str:
-        return f"{self.mode[:3]}-{self.seed}-{uuid.uuid4().hex[:6]}"
-
 
 @dataclass
 class ChaosResult:
@@ -124,7 +120,7 @@ class ChaosRun:
     def __init__(self, settings: ChaosSettings, echo: Callable[[str], None] = print) -> None:
         self.settings = settings
         self.echo = echo
-        self.run_id = settings.run_id
+        self.run_id = f"{settings.mode[:3]}-{settings.seed}-{uuid.uuid4().hex[:6]}"
         settings.output.mkdir(parents=True, exist_ok=True)
         self.stack = ChaosStack(f"chaos-{os.getpid()}-{self.run_id}")
         self.profile = settings.profile

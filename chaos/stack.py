@@ -8,7 +8,6 @@ client makes (bootstrap and partition leaders alike) goes through the proxy. The
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from chaos.proxy import FaultProxy
@@ -79,8 +78,8 @@ class ChaosStack:
 
     def down(self, keep_files: bool = False) -> None:
         self.proxy.close()
+        if not keep_files:
+            self.local.down()  # stops both servers and removes their folders
+            return
         for server in (self.kafka, self.postgres):
             server.stop()
-        if not keep_files:
-            shutil.rmtree(self.postgres.root, ignore_errors=True)
-            shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -26,9 +26,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from devstack import LocalStack
+from devstack.topics import create_topics
 from outbox import Outbox, migrate
 
 TOPIC = "orders"
@@ -95,9 +95,7 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
         conn.execute(
             sa.text("CREATE TABLE orders (id bigint PRIMARY KEY, customer text, total_cents int)")
         )
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    if TOPIC not in admin.list_topics(timeout=10).topics:
-        admin.create_topics([NewTopic(TOPIC, 3, 1)])[TOPIC].result(30)
+    create_topics(bootstrap_servers, [TOPIC], partitions=3)  # kept when it exists
 
     ob = Outbox(engine)
     committed: list[uuid.UUID] = []

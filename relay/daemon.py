@@ -123,18 +123,17 @@ class Relay:
                     self._lost_database(error)
                     self._stop.wait(pause)
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
-                except KafkaException as error:
-                    if error.args[0].code() == KafkaError._INVALID_ARG:
+                except (KafkaException, TimeoutError) as error:
+                    # TimeoutError: Kafka did not answer in time (progress reads in a take-over).
+                    if (
+                        isinstance(error, KafkaException)
+                        and error.args[0].code() == KafkaError._INVALID_ARG
+                    ):
                         # A setting Kafka's client refuses: no retry will change it.
                         log.critical("Kafka client settings refused: %s", error.args[0].str())
                         exit_code = 1
                         break
                     log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), pause)
-                    self._stop.wait(pause)
-                    pause = min(MAX_ERROR_PAUSE, pause * 2)
-                except TimeoutError as error:
-                    # Kafka did not answer in time (reading progress records in a take-over).
-                    log.error("Kafka timed out: %s; retrying in %.1fs", error, pause)
                     self._stop.wait(pause)
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
         finally:

@@ -99,15 +99,16 @@ def bootstrap_servers(kafka_broker: KafkaBroker) -> str:
 @pytest.fixture
 def make_topic(bootstrap_servers: str) -> Iterator[Callable[..., str]]:
     """Create topics with unique names for one test; they are deleted afterwards."""
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient
+
+    from devstack.topics import create_topics
 
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     created: list[str] = []
 
     def make(prefix: str = "t", partitions: int = 1) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        futures = admin.create_topics([NewTopic(name, partitions, 1)], operation_timeout=30)
-        futures[name].result(timeout=30)
+        create_topics(bootstrap_servers, [name], partitions)
         created.append(name)
         return name
 
