@@ -4,23 +4,32 @@ The Alembic environment and every revision ask :func:`current_spec`, which looks
 at the Alembic config's attributes (set by ``outbox db ...``), ``-x outbox_schema=...`` /
 ``-x outbox_table=...`` on the alembic command line, ``OUTBOX_SCHEMA`` / ``OUTBOX_TABLE``, and
 then the defaults (``public.outbox``). A service that includes these revisions in its own
-Alembic history gets the same behaviour without any change to its ``env.py``.
+Alembic history gets the same behaviour: its ``alembic.ini`` lists
+:data:`VERSIONS_RESOURCE` in ``version_locations`` (Alembic reads that list before any
+``env.py`` runs, so it cannot be set from there), and its ``env.py`` calls
+:func:`declare_outbox` so that autogenerate compares the outbox table instead of proposing
+to drop it. docs/migrations.md has the whole recipe.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from importlib import resources
 from pathlib import Path
 
+import sqlalchemy as sa
 from alembic import context
 from alembic.config import Config
 
 from outbox.errors import ConfigError
-from outbox.schema import DEFAULT_SCHEMA, DEFAULT_TABLE, OutboxTableSpec
+from outbox.schema import DEFAULT_SCHEMA, DEFAULT_TABLE, OutboxTableSpec, build_table
 
 SPEC_ATTRIBUTE = "outbox_spec"
 URL_ATTRIBUTE = "database_url"
+
+#: The outbox revisions as an Alembic package resource, for a service's ``version_locations``.
+VERSIONS_RESOURCE = "outbox.migrations:versions"
 
 
 def migrations_dir() -> Path:
@@ -52,9 +61,28 @@ def current_url(config: Config | None = None) -> str:
     return str(url)
 
 
+def declare_outbox(metadata: sa.MetaData) -> sa.Table:
+    """Declare the outbox table on a service's ``metadata``, from its Alembic ``env.py``.
+
+    Autogenerate then compares the table with what the outbox revisions built (and finds
+    nothing to do) instead of proposing to drop it. Schema and table follow the same
+    settings as the revisions (see :func:`current_spec`). Declaring it twice is harmless.
+
+    >>> target_metadata = Base.metadata
+    >>> declare_outbox(target_metadata)
+    """
+    spec = current_spec()
+    key = f"{spec.schema}.{spec.table}" if spec.schema else spec.table
+    existing = metadata.tables.get(key)
+    if existing is not None:
+        return existing
+    return build_table(metadata, spec.table, spec.schema)
+
+
 def alembic_config(database_url: str, spec: OutboxTableSpec | None = None) -> Config:
     """An Alembic Config for the outbox's own history on ``database_url``."""
-    config = Config()
+    # Alembic's default stdout is the one at import time; take the current one (a CLI runner's).
+    config = Config(stdout=sys.stdout)
     config.set_main_option("script_location", str(migrations_dir()))
     config.attributes[URL_ATTRIBUTE] = database_url
     config.attributes[SPEC_ATTRIBUTE] = spec or OutboxTableSpec()

@@ -99,3 +99,40 @@ def test_cli_reports_an_unreachable_database_in_one_line() -> None:
     assert result.exit_code == 1
     assert result.output.startswith("Error: database error:")
     assert "secret-pw" not in result.output
+
+
+def db(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["db", *args])
+    return result.exit_code, result.output
+
+
+def test_cli_current_names_the_revision_or_says_there_is_no_table(database_url: str) -> None:
+    code, output = db("current", "--database-url", database_url)
+    assert (code, output) == (0, "public.outbox does not exist yet: run `outbox db upgrade`\n")
+    assert "outbox_alembic_version" not in table_names(database_url, "public")
+
+    # A second outbox table's own record is not mistaken for another history of the first.
+    migrate.upgrade(database_url, OutboxTableSpec("public", "events_out"))
+    migrate.upgrade(database_url)
+    (head,) = ScriptDirectory.from_config(alembic_config(database_url)).get_heads()
+    for table in ("outbox", "events_out"):
+        assert db("current", "--database-url", database_url, "--table", table) == (
+            0,
+            f"{head} (head)\n",
+        )
+
+
+def test_cli_refuses_to_upgrade_a_table_no_history_records(database_url: str) -> None:
+    spec = OutboxTableSpec()
+    engine = sa.create_engine(database_url)
+    try:
+        spec.metadata.create_all(engine, tables=[spec.table_obj])
+    finally:
+        engine.dispose()
+    code, output = db("upgrade", "--database-url", database_url)
+    assert code == 1
+    assert "public.outbox exists but no Alembic version table records its revision" in output
+    assert "outbox_alembic_version" not in table_names(database_url, "public")
+    code, output = db("current", "--database-url", database_url)
+    assert code == 0
+    assert "no Alembic version table records its revision" in output
