@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, TypeVar
 
 import click
@@ -86,8 +87,29 @@ def db_current(database_url: str, schema: str, table: str) -> None:
     "--older-than", required=True, help="Age of sent rows to delete: 90s, 15m, 12h, 7d, 1w."
 )
 @click.option("--batch-size", default=1000, show_default=True, type=click.IntRange(min=1))
-def purge(database_url: str, schema: str, table: str, older_than: str, batch_size: int) -> None:
-    """Delete sent rows older than --older-than, in short batches."""
+@click.option("--dry-run", is_flag=True, help="Count the rows that would go; delete nothing.")
+@click.option(
+    "--ignore-audit-window",
+    is_flag=True,
+    help="Purge even rows the nightly reconciliation may still read (it will then report "
+    "their records as phantoms).",
+)
+def purge(
+    database_url: str,
+    schema: str,
+    table: str,
+    older_than: str,
+    batch_size: int,
+    dry_run: bool,
+    ignore_audit_window: bool,
+) -> None:
+    """Delete sent rows older than --older-than, in short batches.
+
+    Refuses a cut-off the nightly reconciliation may still read (the previous UTC day, with
+    its grace period) unless --ignore-audit-window is given.
+    """
+    from datetime import UTC
+
     import sqlalchemy as sa
 
     from outbox.durations import parse_duration
@@ -97,14 +119,51 @@ def purge(database_url: str, schema: str, table: str, older_than: str, batch_siz
         age = parse_duration(older_than)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--older-than") from exc
+    now = datetime.now(UTC)
+    cutoff = now - age
+    too_recent = _purge_reaches_the_audit(now, cutoff)
+    if too_recent and not (dry_run or ignore_audit_window):
+        raise click.ClickException(too_recent)
+    spec = _spec(schema, table)
     engine = sa.create_engine(database_url)
     try:
-        deleted = _run_db_step(
-            lambda: purge_sent(engine, age, spec=_spec(schema, table), batch_size=batch_size)
+        count = _run_db_step(
+            lambda: purge_sent(
+                engine, age, spec=spec, batch_size=batch_size, now=now, dry_run=dry_run
+            )
         )
     finally:
         engine.dispose()
-    click.echo(f"deleted {deleted} sent rows older than {older_than}")
+    what = (
+        f"sent rows older than {older_than} "
+        f"(created and sent before {cutoff:%Y-%m-%d %H:%M:%S} UTC)"
+    )
+    if dry_run:
+        click.echo(f"would delete {count} {what}; dry run, nothing deleted")
+        if too_recent and not ignore_audit_window:
+            click.echo(f"a real run would be refused: {too_recent}")
+    else:
+        click.echo(f"deleted {count} {what}")
+
+
+def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
+    """Why a purge up to ``cutoff`` could take rows the nightly audit still reads, or None."""
+    import math
+
+    from outbox.retention import AUDIT_GRACE, audit_horizon
+
+    horizon = audit_horizon(now)
+    if cutoff <= horizon:
+        return None
+    hours = math.ceil((now - horizon).total_seconds() / 3600)
+    grace = int(AUDIT_GRACE.total_seconds() // 60)
+    return (
+        f"refusing to purge up to {cutoff:%Y-%m-%d %H:%M} UTC: the nightly reconciliation "
+        f"still reads rows made since {horizon:%Y-%m-%d %H:%M} UTC (the previous UTC day, "
+        f"with {grace} minutes of grace) and would report their records as phantoms. "
+        f"Use --older-than {hours}h or more, or pass --ignore-audit-window if no audit "
+        "will read them"
+    )
 
 
 @main.command()

@@ -1,4 +1,10 @@
-"""Deleting sent rows once they are old enough, in short batches."""
+"""Deleting sent rows once they are old enough, in short batches.
+
+Purged rows can no longer be checked against the topics: a reconciliation that still reads
+their time would report their records as phantoms. :func:`audit_horizon` says how far back the
+default nightly audit reads, and ``outbox purge`` refuses a cut-off later than that unless told
+otherwise.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,23 @@ import sqlalchemy as sa
 
 from outbox.errors import ConfigError
 from outbox.queries import Queries
-from outbox.schema import OutboxTableSpec
+from outbox.schema import SENT, OutboxTableSpec
+
+#: The slack the nightly reconciliation reads at each edge of the day it audits (the
+#: ``--grace`` default of ``outbox reconcile``, ``spark_jobs.window.AuditWindow.grace``): rows
+#: made up to this long before the audited day are still read, so they must still be there.
+AUDIT_GRACE = timedelta(minutes=15)
+
+
+def audit_horizon(now: datetime) -> datetime:
+    """The earliest moment the default nightly reconciliation may still read at ``now``.
+
+    It audits the previous UTC day, reading :data:`AUDIT_GRACE` before its start. Rows made
+    after this moment may not have been audited yet (the audit of yesterday may still be to
+    run), so a purge should not reach past it.
+    """
+    today = datetime.combine(now.astimezone(UTC).date(), datetime.min.time(), tzinfo=UTC)
+    return today - timedelta(days=1) - AUDIT_GRACE
 
 
 def uuid7_floor(moment: datetime) -> uuid.UUID:
@@ -27,19 +49,25 @@ def purge_sent(
     batch_size: int = 1000,
     pause_seconds: float = 0.0,
     now: datetime | None = None,
+    dry_run: bool = False,
 ) -> int:
     """Delete sent rows that were created and sent more than ``older_than`` ago.
 
     Each batch of at most ``batch_size`` rows is its own short transaction (rows locked by a
-    sender are skipped), so the table is never locked for long. Returns the number deleted.
-    Keep sent rows at least until the reconciliation job has audited their window.
+    sender are skipped), so the table is never locked for long. Returns the number deleted;
+    with ``dry_run``, deletes nothing and returns how many rows qualify.
+    Keep sent rows at least until the reconciliation job has audited their window
+    (see :func:`audit_horizon`).
     """
     if older_than < timedelta(0):
         raise ConfigError("older_than must not be negative")
     if batch_size <= 0:
         raise ConfigError("batch_size must be positive")
+    spec = spec or OutboxTableSpec()
     cutoff = (now or datetime.now(UTC)) - older_than
-    query = Queries(spec or OutboxTableSpec())["purge_sent"]
+    if dry_run:
+        return count_purgeable(engine, cutoff, spec=spec)
+    query = Queries(spec)["purge_sent"]
     params = {"cutoff": cutoff, "cutoff_id": uuid7_floor(cutoff), "batch_size": batch_size}
     total = 0
     while True:
@@ -50,3 +78,22 @@ def purge_sent(
             return total
         if pause_seconds:
             time.sleep(pause_seconds)
+
+
+def count_purgeable(
+    engine: sa.Engine, cutoff: datetime, *, spec: OutboxTableSpec | None = None
+) -> int:
+    """How many sent rows were created and sent before ``cutoff`` (what a purge would take)."""
+    table = (spec or OutboxTableSpec()).table_obj
+    # The same conditions as the purge_sent query; the id bound lets the primary key serve it.
+    query = (
+        sa.select(sa.func.count())
+        .select_from(table)
+        .where(
+            table.c.id < uuid7_floor(cutoff),
+            table.c.status == SENT,
+            table.c.sent_at < cutoff,
+        )
+    )
+    with engine.connect() as conn:
+        return int(conn.execute(query).scalar_one())

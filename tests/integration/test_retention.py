@@ -1,4 +1,7 @@
-"""Purging sent rows: only old sent ones, in bounded batches, from the API and the CLI."""
+"""Purging sent rows: only old sent ones, in bounded batches; how far back the audit reads.
+
+The command line's checks are in test_purge_cli.py.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from click.testing import CliRunner
 
 from outbox import Message, Outbox
-from outbox.cli import main
-from outbox.retention import purge_sent
+from outbox.retention import AUDIT_GRACE, audit_horizon, purge_sent
+from spark_jobs.window import AuditWindow
 
 pytestmark = pytest.mark.integration
 
@@ -62,16 +64,29 @@ def test_rows_created_or_sent_recently_are_kept(engine: sa.Engine) -> None:
     assert counts(engine) == {"sent": 4}
 
 
-def test_cli_purge(outbox_url: str, engine: sa.Engine) -> None:
-    seed(engine, 3)
-    set_status(engine, "sent", 3 * 86400, 3)
-    result = CliRunner().invoke(
-        main, ["purge", "--database-url", outbox_url, "--older-than", "0s", "--batch-size", "2"]
-    )
-    assert result.exit_code == 0, result.output
-    assert "deleted 3 sent rows" in result.output
-    bad = CliRunner().invoke(
-        main, ["purge", "--database-url", outbox_url, "--older-than", "3 days"]
-    )
-    assert bad.exit_code == 2
-    assert "not a duration" in bad.output
+def test_a_dry_run_counts_what_a_purge_would_delete(engine: sa.Engine) -> None:
+    seed(engine, 5)
+    set_status(engine, "sent", 3600, 3)
+    later = datetime.now(UTC) + timedelta(seconds=5)
+    assert purge_sent(engine, timedelta(seconds=1), now=later, dry_run=True) == 3
+    assert counts(engine) == {"pending": 2, "sent": 3}
+    assert purge_sent(engine, timedelta(seconds=1), now=later) == 3
+
+
+@pytest.mark.parametrize(
+    ("now", "horizon"),
+    [
+        ("2026-11-23T07:00:00+00:00", "2026-11-21T23:45:00+00:00"),
+        ("2026-11-23T00:00:00+00:00", "2026-11-21T23:45:00+00:00"),
+        ("2026-11-23T23:59:59+00:00", "2026-11-21T23:45:00+00:00"),
+        ("2026-11-23T01:30:00+02:00", "2026-11-20T23:45:00+00:00"),  # 23:30 UTC the day before
+    ],
+)
+def test_the_audit_horizon_is_the_start_of_the_previous_utc_day_less_the_grace(
+    now: str, horizon: str
+) -> None:
+    moment = datetime.fromisoformat(now)
+    assert audit_horizon(moment) == datetime.fromisoformat(horizon)
+    # The nightly audit's own window: the purge guard must never disagree with it.
+    assert audit_horizon(moment) == AuditWindow.yesterday(moment).read_from
+    assert AuditWindow.yesterday(moment).grace == AUDIT_GRACE
