@@ -239,3 +239,27 @@ def test_a_database_made_by_outbox_db_moves_to_the_joined_history(
     assert "outbox" not in check.stdout + check.stderr
     now = CliRunner().invoke(main, ["db", "current", "--database-url", database_url])
     assert "recorded in public.alembic_version" in now.output
+
+
+def test_another_schema_and_table(tmp_path: Path, database_url: str) -> None:
+    """docs/migrations.md, "Other schema or table": the same -x values on every command."""
+    project = init_project(tmp_path, INI_LINES, database_url)
+    (project / "models.py").write_text("import sqlalchemy as sa\n\nmetadata = sa.MetaData()\n")
+    env_py = project / "migrations" / "env.py"
+    env_py.write_text(
+        env_py.read_text().replace(
+            "connection=connection, target_metadata=target_metadata",
+            "connection=connection, target_metadata=target_metadata, include_schemas=True",
+        )
+    )
+    x = "-x outbox_schema=messaging -x outbox_table=events_out"
+    run(project, f"alembic {x} upgrade heads")
+    engine = sa.create_engine(database_url)
+    try:
+        assert "events_out" in sa.inspect(engine).get_table_names(schema="messaging")
+    finally:
+        engine.dispose()
+    run(project, f"alembic {x} check")
+    where = ["--database-url", database_url, "--schema", "messaging", "--table", "events_out"]
+    current = CliRunner().invoke(main, ["db", "current", *where])
+    assert "recorded in public.alembic_version: messaging.events_out" in current.output
