@@ -318,7 +318,11 @@ def _check_relay_access(config: object) -> Callable[[], None]:
                         # when any one of them is held.
                         "SELECT t.oid IS NOT NULL, t.oid IS NOT NULL"
                         " AND has_table_privilege(t.oid, 'SELECT')"
-                        " AND has_table_privilege(t.oid, 'UPDATE')"
+                        " AND has_table_privilege(t.oid, 'UPDATE'),"
+                        # The newest revision's column: a table not upgraded yet is refused
+                        # here, in one line, not by the first batch.
+                        " EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = t.oid"
+                        " AND attname = 'generation' AND NOT attisdropped)"
                         " FROM (SELECT to_regclass(:name) AS oid) AS t"
                     ),
                     {"name": spec.qualified_name},
@@ -333,6 +337,10 @@ def _check_relay_access(config: object) -> Callable[[], None]:
             raise OutboxError(
                 f"role {sa.make_url(config.database_url).username} needs SELECT and UPDATE "
                 f"on {spec.qualified_name} (see docs/relay.md, 'Database role')"
+            )
+        if not row[2]:
+            raise OutboxError(
+                f"table {spec.qualified_name} is older than this relay: run `outbox db upgrade`"
             )
 
     return check

@@ -34,6 +34,8 @@ class OutboxRecord:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes | None]]
+    #: Bumped each time repair puts the row back to pending (see ``requeue_missing``).
+    generation: int = 0
 
     @property
     def kafka_headers(self) -> list[tuple[str, str | bytes | None]]:
@@ -64,6 +66,7 @@ class OutboxRecord:
             key=_as_bytes(row.get("key")),
             value=_as_bytes(row.get("value")),
             headers=headers,
+            generation=int(row.get("generation") or 0),
         )
 
 

@@ -65,6 +65,10 @@ class OutboxTableSpec:
         return f"{self.table}_notify"
 
     @property
+    def retry_index(self) -> str:
+        return f"{self.table}_retry_idx"
+
+    @property
     def idempotency_index(self) -> str:
         return f"{self.table}_idempotency_key_idx"
 
@@ -109,6 +113,9 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
         sa.Column("sent_at", tz),
         sa.Column("kafka_partition", sa.Integer),
         sa.Column("kafka_offset", sa.BigInteger),
+        # Bumped each time repair puts a sent row back to pending; an exactly-once progress
+        # record vouches only for the generation it sent.
+        sa.Column("generation", sa.Integer, nullable=False, server_default="0"),
         sa.CheckConstraint("status IN ('pending', 'sent', 'dead')", name=f"{name}_status_check"),
         # Only pending rows are indexed for the relay's scan, so it stays small however many
         # sent rows pile up.
@@ -117,6 +124,16 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
             "shard",
             "seq",
             postgresql_where=sa.text("status = 'pending'"),
+        ),
+        # Pending rows that failed at least once (few): the relay passes over the keys that
+        # are backing off through it.
+        sa.Index(
+            f"{name}_retry_idx",
+            "shard",
+            "topic",
+            "key",
+            "seq",
+            postgresql_where=sa.text("status = 'pending' AND next_attempt_at IS NOT NULL"),
         ),
         sa.Index(
             f"{name}_idempotency_key_idx",

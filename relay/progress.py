@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox.schema import SHARD_COUNT
-from relay.store import Ack
+from outbox.sending import Ack
 
 #: How far back to look for the newest committed progress record, doubling each time.
 _FIRST_LOOKBACK = 16
@@ -28,14 +28,25 @@ def encode_progress(shard: int, owner: str, acks: list[Ack]) -> bytes:
         {
             "shard": shard,
             "owner": owner,
-            "acks": [[str(a.id), a.partition, a.offset] for a in acks],
+            # The generation says which requeue of the row this batch sent (see
+            # `requeue_missing`): recovery marks a row sent only for that same generation.
+            "acks": [[str(a.id), a.partition, a.offset, a.generation] for a in acks],
         }
     )
 
 
 def decode_progress(value: bytes) -> list[Ack]:
     body = orjson.loads(value)
-    return [Ack(uuid.UUID(i), int(p), int(o)) for i, p, o in body["acks"]]
+    # Records written before generations existed list three fields: generation 0.
+    return [
+        Ack(
+            uuid.UUID(entry[0]),
+            int(entry[1]),
+            int(entry[2]),
+            int(entry[3]) if len(entry) > 3 else 0,
+        )
+        for entry in body["acks"]
+    ]
 
 
 def ensure_progress_topic(admin: AdminClient, topic: str, replication_factor: int = -1) -> None:

@@ -14,6 +14,7 @@ from outbox.engines import hash_joins_only
 from outbox.queries import Queries
 from outbox.records import OutboxRecord
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from outbox.sending import Ack
 from relay.policy import UNDECODABLE
 
 
@@ -27,13 +28,6 @@ class Leased:
     created_at: datetime
     record: OutboxRecord | None
     problem: str | None = None
-
-
-@dataclass(frozen=True)
-class Ack:
-    id: uuid.UUID
-    partition: int
-    offset: int
 
 
 @dataclass(frozen=True)
@@ -156,6 +150,7 @@ class RelayStore:
                     "ids": [a.id for a in acks],
                     "partitions": [a.partition for a in acks],
                     "offsets": [a.offset for a in acks],
+                    "generations": [a.generation for a in acks],
                 },
             )
         return int(result.rowcount)

@@ -10,17 +10,22 @@ UPDATE {table}
    AND status = 'pending'
    AND (lease_until IS NULL OR lease_until < now())
    AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-RETURNING id, seq, shard, topic, key, value, content_type, header_names, header_values, created_at;
+RETURNING id, seq, shard, topic, key, value, content_type, header_names, header_values, created_at,
+          generation;
 
 -- name: leased_behind_earlier
--- Of the rows this sender leased, those whose key still has an earlier pending row that the
--- sender does not hold: sending them now would overtake it. The rows held elsewhere are
--- found first, shard by shard along the pending index (at most :reach of them per shard:
--- the relay's lease window, which they cannot lie beyond), then matched by key.
+-- Of the rows this sender leased, those that may not go yet: their key has an earlier pending
+-- row that the sender does not hold, so sending them now would overtake it. A row backing off
+-- is found through the retry index. Other earlier rows are searched shard by shard along the
+-- pending index, the way lease_batch walks it (rows backing off, and the rows of their keys
+-- behind them, are passed over), at most :reach of them per shard. A search that stops at
+-- :reach rows holds back, too, every keyed row of the shard beyond where it stopped: the
+-- backlog is deeper than was searched, and the relay sends it in order. The relay's :reach is
+-- its lease window, which the rows it leased never lie beyond.
 WITH mine AS (
     SELECT id, shard, seq, topic, key
       FROM {table}
-     WHERE id = ANY(CAST(:ids AS uuid[])) AND key IS NOT NULL),
+     WHERE id = ANY(CAST(:ids AS uuid[]))),
 reach AS (
     SELECT shard, max(seq) AS seq FROM mine GROUP BY shard),
 elsewhere AS (
@@ -30,14 +35,36 @@ elsewhere AS (
            SELECT q.shard, q.seq, q.topic, q.key
              FROM {table} AS q
             WHERE q.status = 'pending' AND q.shard = r.shard AND q.seq < r.seq
-              AND q.key IS NOT NULL
               AND q.lease_owner IS DISTINCT FROM :owner
+              AND (q.next_attempt_at IS NULL OR q.next_attempt_at <= now())
+              AND NOT EXISTS (
+                  SELECT 1
+                    FROM {table} AS f
+                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                     AND f.shard = q.shard AND f.topic = q.topic AND f.key = q.key
+                     AND f.seq < q.seq)
             ORDER BY q.seq
-            LIMIT :reach) AS p)
-SELECT DISTINCT m.id
+            LIMIT :reach) AS p),
+searched AS (
+    SELECT shard, count(*) AS rows, max(seq) AS last_seq FROM elsewhere GROUP BY shard)
+SELECT m.id
   FROM mine AS m
   JOIN elsewhere AS e
-    ON e.shard = m.shard AND e.topic = m.topic AND e.key = m.key AND e.seq < m.seq;
+    ON e.shard = m.shard AND e.topic = m.topic AND e.key = m.key AND e.seq < m.seq
+UNION
+SELECT m.id
+  FROM mine AS m
+  JOIN searched AS s
+    ON s.shard = m.shard AND s.rows >= :reach AND m.seq > s.last_seq
+ WHERE m.key IS NOT NULL
+UNION
+SELECT m.id
+  FROM mine AS m
+ WHERE EXISTS (
+       SELECT 1
+         FROM {table} AS f
+        WHERE f.status = 'pending' AND f.next_attempt_at > now()
+          AND f.shard = m.shard AND f.topic = m.topic AND f.key = m.key AND f.seq < m.seq);
 
 -- name: release
 -- Give leased rows back, untouched, for the relay to send.
@@ -87,28 +114,36 @@ DELETE FROM {table} AS o
 -- Lease up to :batch_size pending rows of the given shards, oldest first, for the relay.
 -- A key whose earliest pending row cannot go now (backing off before a retry, or leased by
 -- another sender) is held back from that row on: later messages never overtake it.
+-- Each shard's window is its first :window rows that could go: rows backing off, and the rows
+-- of their keys behind them, are passed over (one probe of the small retry index per row), so
+-- that a key with a deep backlog behind a failing message never fills the window by itself.
 WITH window_rows AS (
-    SELECT o.id, o.seq, o.topic, o.key, o.next_attempt_at, o.lease_owner, o.lease_until
+    SELECT o.id, o.seq, o.topic, o.key, o.lease_owner, o.lease_until
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
      CROSS JOIN LATERAL (
-           SELECT p.id, p.seq, p.topic, p.key, p.next_attempt_at, p.lease_owner, p.lease_until
+           SELECT p.id, p.seq, p.topic, p.key, p.lease_owner, p.lease_until
              FROM {table} AS p
             WHERE p.status = 'pending' AND p.shard = s.shard
+              AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
+              AND NOT EXISTS (
+                  SELECT 1
+                    FROM {table} AS f
+                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                     AND f.shard = p.shard AND f.topic = p.topic AND f.key = p.key
+                     AND f.seq < p.seq)
             ORDER BY p.seq
             LIMIT :window) AS o),
 blockers AS (
     SELECT topic, key, min(seq) AS seq
       FROM window_rows
      WHERE key IS NOT NULL
-       AND (next_attempt_at > now()
-            OR (lease_until > now() AND lease_owner IS DISTINCT FROM :owner))
+       AND lease_until > now() AND lease_owner IS DISTINCT FROM :owner
      GROUP BY topic, key),
 chosen AS (
     SELECT w.id
       FROM window_rows AS w
       LEFT JOIN blockers AS b ON b.topic = w.topic AND b.key = w.key
-     WHERE (w.next_attempt_at IS NULL OR w.next_attempt_at <= now())
-       AND (w.lease_until IS NULL OR w.lease_until <= now() OR w.lease_owner = :owner)
+     WHERE (w.lease_until IS NULL OR w.lease_until <= now() OR w.lease_owner = :owner)
        AND (b.seq IS NULL OR w.seq < b.seq)
      ORDER BY w.seq
      LIMIT :batch_size)
@@ -120,7 +155,7 @@ UPDATE {table} AS o
    AND o.status = 'pending'
    AND (o.lease_until IS NULL OR o.lease_until <= now() OR o.lease_owner = :owner)
 RETURNING o.id, o.seq, o.shard, o.topic, o.key, o.value, o.content_type, o.header_names,
-          o.header_values, o.attempts, o.created_at;
+          o.header_values, o.attempts, o.created_at, o.generation;
 
 -- name: mark_retry
 -- Record a failed attempt: back off until next_attempt_at, keep the error, give the row back.
@@ -152,6 +187,8 @@ UPDATE {table} AS o
 
 -- name: mark_sent_unleased
 -- Exactly-once recovery: rows whose Kafka transaction committed before their owner died.
+-- Only the generation the transaction sent: a row requeued by repair since then (a higher
+-- generation) was found missing on the topics and must be sent again, not marked sent.
 UPDATE {table} AS o
    SET status = 'sent',
        sent_at = coalesce(o.sent_at, now()),
@@ -160,10 +197,11 @@ UPDATE {table} AS o
        attempts = o.attempts + 1,
        lease_owner = NULL,
        lease_until = NULL
-  FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]))
-       AS acked (id, kafka_partition, kafka_offset)
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]),
+              CAST(:generations AS int[]))
+       AS acked (id, kafka_partition, kafka_offset, generation)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
-   AND o.id = acked.id AND o.status = 'pending';
+   AND o.id = acked.id AND o.status = 'pending' AND o.generation = acked.generation;
 
 -- name: delete_committed
 -- Exactly-once recovery in keep-nothing mode: drop rows whose Kafka transaction committed.
@@ -203,7 +241,7 @@ SELECT id, topic, key, attempts, error_kind, last_error, created_at
 -- One row, whole.
 SELECT id, seq, shard, topic, key, value, content_type, header_names, header_values,
        idempotency_key, status, attempts, next_attempt_at, lease_owner, lease_until,
-       error_kind, last_error, created_at, sent_at, kafka_partition, kafka_offset
+       error_kind, last_error, created_at, sent_at, kafka_partition, kafka_offset, generation
   FROM {table}
  WHERE id = :id;
 
@@ -226,9 +264,11 @@ DELETE FROM {table}
 -- name: requeue_missing
 -- Reconciliation repair: sent rows whose records are on no topic go back to pending, so the
 -- relay publishes them again. Rows no longer marked sent are left alone (running it twice
--- changes nothing more).
+-- changes nothing more). The generation goes up, so that an exactly-once progress record of
+-- the earlier send can no longer vouch for the row.
 UPDATE {table}
    SET status = 'pending', attempts = 0, next_attempt_at = NULL, error_kind = NULL,
+       generation = generation + 1,
        last_error = 'requeued by reconciliation: recorded at ' || topic || '/'
                     || coalesce(kafka_partition::text, '?') || '/'
                     || coalesce(kafka_offset::text, '?') || ', on no topic',
