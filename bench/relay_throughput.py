@@ -39,7 +39,8 @@ from outbox.engines import sender_engine
 from outbox.ids import uuid7
 from outbox.records import producer_config
 from outbox.schema import SHARD_COUNT, OutboxTableSpec, shard_of
-from relay.store import Ack, RelayStore
+from outbox.sending import Ack
+from relay.store import RelayStore
 
 VALUE_BYTES = 256
 PARTITIONS = 6

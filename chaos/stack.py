@@ -19,6 +19,25 @@ from devstack.stack import LocalStack, StackInfo, stack_home
 DATABASE = "chaos"
 
 
+def route_through_proxy(kafka: KafkaBroker, proxy: FaultProxy) -> None:
+    """Give ``kafka`` (not started yet) a second listener that it advertises at the proxy's
+    port, the proxy forwarding to it: clients bootstrapped at the proxy reach the broker only
+    through it. The broker's plain listener stays as it is."""
+    kafka.port = free_port()
+    kafka.controller_port = free_port()
+    kafka.extra_config = {
+        "listeners": (
+            f"PLAINTEXT://127.0.0.1:{kafka.port},"
+            f"RELAYS://127.0.0.1:{proxy.upstream_port},"
+            f"CONTROLLER://127.0.0.1:{kafka.controller_port}"
+        ),
+        "advertised.listeners": (
+            f"PLAINTEXT://127.0.0.1:{kafka.port},RELAYS://127.0.0.1:{proxy.listen_port}"
+        ),
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,RELAYS:PLAINTEXT,CONTROLLER:PLAINTEXT",
+    }
+
+
 class ChaosStack:
     """Servers under ``<stack home>/run/<name>``, removed by :meth:`down`."""
 
@@ -26,22 +45,7 @@ class ChaosStack:
         self.local = LocalStack(run_dir or stack_home() / "run" / name, durable=True)
         self.external_port = free_port()
         self.proxy = FaultProxy(free_port(), self.external_port)
-        kafka = self.local.kafka
-        kafka.port = free_port()
-        kafka.controller_port = free_port()
-        kafka.extra_config = {
-            "listeners": (
-                f"PLAINTEXT://127.0.0.1:{kafka.port},"
-                f"RELAYS://127.0.0.1:{self.external_port},"
-                f"CONTROLLER://127.0.0.1:{kafka.controller_port}"
-            ),
-            "advertised.listeners": (
-                f"PLAINTEXT://127.0.0.1:{kafka.port},RELAYS://127.0.0.1:{self.proxy.listen_port}"
-            ),
-            "listener.security.protocol.map": (
-                "PLAINTEXT:PLAINTEXT,RELAYS:PLAINTEXT,CONTROLLER:PLAINTEXT"
-            ),
-        }
+        route_through_proxy(self.local.kafka, self.proxy)
         self.info: StackInfo | None = None
 
     @property

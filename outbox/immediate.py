@@ -13,37 +13,45 @@ How it stays out of the relay's way (no duplicates, no reordering):
 3. **Produce and mark.** The rest go through one shared idempotent producer; each row Kafka
    acknowledges is marked sent (or deleted, in keep-nothing mode) *only if the sender still
    holds its lease*. Rows that failed are released.
-4. **Crash.** If the process dies anywhere in between, the rows are still ``pending``; once
+4. **No send left behind.** The producer gets the whole delivery timeout and what Kafka has
+   not acknowledged by then is purged from it before the rows are released
+   (:mod:`outbox.sending`): a released row is never still on its way.
+5. **Crash.** If the process dies anywhere in between, the rows are still ``pending``; once
    the lease runs out (``lease_seconds``, longer than the producer's delivery timeout) the relay
    sends them. The only duplicate possible is the one at-least-once always allows: Kafka
-   stored the record but the process died before marking it.
+   stored the record but the process died before marking it. That holds next to an
+   exactly-once relay too: immediate send does not use Kafka transactions, so a consumer
+   that needs exactly-once must deduplicate on the ``outbox-id`` header.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Producer
 
 from outbox.engines import hash_joins_only, sender_engine
 from outbox.errors import ConfigError
 from outbox.queries import Queries
-from outbox.records import OutboxRecord, producer_config
+from outbox.records import OutboxRecord
 from outbox.schema import OutboxTableSpec
+from outbox.sending import BatchResult, produce_batch, sending_config
 
 log = logging.getLogger(__name__)
 
-#: How long a lease lasts; must exceed DELIVERY_TIMEOUT_MS so a slow send ends before it.
+#: How long a lease lasts; must exceed the delivery timeout so a slow send ends before it.
 DEFAULT_LEASE_SECONDS = 60.0
 DELIVERY_TIMEOUT_MS = 15_000
+#: How many earlier pending rows of a shard the order check looks at. A deeper backlog means
+#: the relay is behind anyway: the rows behind it are left to the relay, which sends in order.
+ORDER_CHECK_REACH = 1000
 
 
 @dataclass
@@ -73,9 +81,11 @@ class ImmediateSender:
         queue_size: int = 10_000,
         batch_size: int = 500,
     ) -> None:
-        config = producer_config({"delivery.timeout.ms": DELIVERY_TIMEOUT_MS, **kafka_config})
-        if lease_seconds * 1000 <= int(config["delivery.timeout.ms"]):
+        settings = dict(kafka_config)
+        self.delivery_timeout_ms = int(settings.pop("delivery.timeout.ms", DELIVERY_TIMEOUT_MS))
+        if lease_seconds * 1000 <= self.delivery_timeout_ms:
             raise ConfigError("lease_seconds must outlast the producer's delivery.timeout.ms")
+        config = sending_config(settings, self.delivery_timeout_ms)
         # An engine of its own, planned per statement (see outbox.engines.sender_engine).
         self.engine = sender_engine(engine if isinstance(engine, str) else engine.url)
         self.spec = spec or OutboxTableSpec()
@@ -121,28 +131,9 @@ class ImmediateSender:
         records = self._lease(ids, outcome)
         if not records:
             return outcome
-        acks: dict[uuid.UUID, tuple[int, int]] = {}
-
-        def on_delivery(error: KafkaError | None, message: Message, record_id: uuid.UUID) -> None:
-            partition, offset = message.partition(), message.offset()
-            if error is None and partition is not None and offset is not None:
-                acks[record_id] = (partition, offset)
-            else:
-                outcome.failed[record_id] = error.str() if error else "no offset in delivery report"
-
-        for record in records:
-            try:
-                self._producer.produce(
-                    record.topic,
-                    value=record.value,
-                    key=record.key,
-                    headers=record.kafka_headers,
-                    on_delivery=functools.partial(_report, on_delivery, record.id),
-                )
-            except (KafkaException, BufferError) as error:
-                outcome.failed[record.id] = str(error)
-        self._producer.flush(DELIVERY_TIMEOUT_MS / 1000 + 5)
-        self._finish(records, acks, outcome)
+        result = BatchResult()
+        produce_batch(self._producer, records, result, self.delivery_timeout_ms / 1000)
+        self._finish(records, result, outcome)
         return outcome
 
     # -- internals -------------------------------------------------------------------------
@@ -165,8 +156,7 @@ class ImmediateSender:
             blocked = set(
                 conn.execute(
                     self.queries["leased_behind_earlier"],
-                    # an immediately sent row may sit behind any backlog: look at all of it
-                    {"ids": list(leased), "owner": self.owner, "reach": None},
+                    {"ids": list(leased), "owner": self.owner, "reach": ORDER_CHECK_REACH},
                 ).scalars()
             )
             if blocked:
@@ -187,15 +177,14 @@ class ImmediateSender:
         return records
 
     def _finish(
-        self,
-        records: list[OutboxRecord],
-        acks: dict[uuid.UUID, tuple[int, int]],
-        outcome: SendOutcome,
+        self, records: list[OutboxRecord], result: BatchResult, outcome: SendOutcome
     ) -> None:
+        acks = {ack.id: ack for ack in result.acks}
         acked = [r.id for r in records if r.id in acks]
         unacked = [r.id for r in records if r.id not in acks]
         for record_id in unacked:
-            outcome.failed.setdefault(record_id, "no delivery report")
+            error = result.errors.get(record_id)
+            outcome.failed[record_id] = error.str() if error else "not attempted"
         with self.engine.begin() as conn:
             hash_joins_only(conn)
             if acked and self.delete_on_send:
@@ -205,8 +194,8 @@ class ImmediateSender:
                     self.queries["mark_sent"],
                     {
                         "ids": acked,
-                        "partitions": [acks[i][0] for i in acked],
-                        "offsets": [acks[i][1] for i in acked],
+                        "partitions": [acks[i].partition for i in acked],
+                        "offsets": [acks[i].offset for i in acked],
                         "owner": self.owner,
                     },
                 )
@@ -254,15 +243,6 @@ class ImmediateSender:
                 len(outcome.failed),
                 len(batch),
             )
-
-
-def _report(
-    callback: Callable[[KafkaError | None, Message, uuid.UUID], None],
-    record_id: uuid.UUID,
-    error: KafkaError | None,
-    message: Message,
-) -> None:
-    callback(error, message, record_id)
 
 
 _CLOSE = object()

@@ -25,13 +25,14 @@ from sqlalchemy import exc as sa_exc
 
 from outbox.engines import sender_engine
 from outbox.records import OutboxRecord
+from outbox.sending import Ack, order_gaps
 from relay.config import RelayConfig, masked_kafka_config
 from relay.observability import HealthState, RelayMetrics, mask_secrets, serve
 from relay.ownership import ShardOwnership
 from relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
 from relay.producers import AtLeastOncePublisher, BatchPublisher, ExactlyOncePublisher
 from relay.progress import ensure_progress_topic
-from relay.store import Ack, Failure, Leased, RelayStore
+from relay.store import Failure, Leased, RelayStore
 
 log = logging.getLogger("outbox.relay")
 
@@ -50,7 +51,10 @@ class Relay:
         self.engine = sender_engine(config.database_url)
         self.store = RelayStore(self.engine, config.spec, self.owner, config.delete_on_send)
         self.metrics = metrics or RelayMetrics()
-        self.health = HealthState(stale_after=max(30.0, 5 * config.poll_interval))
+        # A batch may wait for Kafka up to the delivery timeout without the loop turning.
+        self.health = HealthState(
+            stale_after=max(30.0, 5 * config.poll_interval, config.delivery_timeout_ms / 1000 + 30)
+        )
         self._stop = threading.Event()
         self._stop_requested_at = 0.0
         self._conn: psycopg.Connection | None = None
@@ -148,11 +152,10 @@ class Relay:
         """Lease one batch of the owned shards, publish it, record what happened."""
         assert self._ownership is not None and self._publisher is not None
         shards = sorted(self._ownership.owned)
-        if not shards:
-            return 0
         started = time.monotonic()
         batch = self.store.lease_batch(shards, self.config.batch_size, self.config.lease_seconds)
         if not batch:
+            self.health.batch_done(progressed=True)  # nothing to send is not being stuck
             return 0
         records = [leased.record for leased in batch if leased.record is not None]
         result = self._publisher.publish(records)
@@ -167,12 +170,21 @@ class Relay:
             failures.append(self._failure(by_id[record_id], classify(error), error.str()))
         self.store.record_outcome(result.acks, failures)
         self.store.release(result.not_attempted)
-        for shard in result.fenced:
-            log.warning(
-                "shard %d fenced by another relay; letting it go", shard, extra={"shard": shard}
+        if result.lost_shards:
+            # Unlocked, not just forgotten: the advisory lock is re-entrant, so a shard locked
+            # again later while still held would stay locked after the next release.
+            log.warning("letting go of shards %s: their producer cannot go on", result.lost_shards)
+            self._publisher.let_go(result.lost_shards)
+            self._ownership.release(result.lost_shards)
+        gaps = order_gaps(records, result, lambda error: classify(error) == RETRIABLE)
+        if gaps:
+            self.metrics.order_gaps.inc(len(gaps))
+            log.error(
+                "%d messages were acknowledged after an earlier message of their key failed",
+                len(gaps),
+                extra={"message_ids": [str(g) for g in gaps]},
             )
-            self._ownership.owned.discard(shard)
-            self._publisher.let_go([shard])
+        self.health.batch_done(progressed=bool(result.acks or failures) or self._stop.is_set())
         self._observe(batch, records, result.acks, failures, acked_at, time.monotonic() - started)
         self.batches += 1
         return len(batch)

@@ -90,23 +90,47 @@ class RelayMetrics:
             "outbox_relay_oldest_pending_seconds", "Age of the oldest pending message", registry=r
         )
         self.owned_shards = Gauge("outbox_relay_owned_shards", "Shards this relay owns", registry=r)
+        self.order_gaps = Counter(
+            "outbox_relay_order_gaps",
+            "Messages acknowledged after an earlier message of their key failed (never expected)",
+            registry=r,
+        )
 
 
 class HealthState:
-    """What the health endpoints report; the relay loop updates it."""
+    """What the health endpoints report; the relay loop updates it.
+
+    Alive means the loop turns *and* gets somewhere: a relay whose batches keep coming back
+    unsent (none acknowledged, none failed) for ``stale_after`` seconds holds its shards for
+    nothing, and a supervisor should restart it so that others take them over.
+    """
 
     def __init__(self, stale_after: float) -> None:
         self.stale_after = stale_after
         self.last_tick = time.monotonic()
+        self.stuck_since: float | None = None
         self.database_ok = False
         self.stopping = False
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
 
+    def batch_done(self, progressed: bool) -> None:
+        """Record whether a leased batch got anywhere (acknowledged or failed rows)."""
+        if progressed:
+            self.stuck_since = None
+        elif self.stuck_since is None:
+            self.stuck_since = time.monotonic()
+
+    @property
+    def stuck(self) -> bool:
+        return (
+            self.stuck_since is not None and time.monotonic() - self.stuck_since >= self.stale_after
+        )
+
     @property
     def alive(self) -> bool:
-        return time.monotonic() - self.last_tick < self.stale_after
+        return time.monotonic() - self.last_tick < self.stale_after and not self.stuck
 
     @property
     def ready(self) -> bool:
@@ -122,7 +146,14 @@ def serve(host: str, port: int, metrics: RelayMetrics, health: HealthState) -> T
                 self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 ok = health.alive
-                self._send(200 if ok else 503, b"ok\n" if ok else b"stalled\n")
+                body = (
+                    b"ok\n"
+                    if ok
+                    else b"stuck: batches are not sent\n"
+                    if health.stuck
+                    else b"stalled\n"
+                )
+                self._send(200 if ok else 503, body)
             elif self.path == "/readyz":
                 ok = health.ready
                 self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")

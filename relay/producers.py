@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
-from outbox.records import OutboxRecord, producer_config
+from outbox.records import OutboxRecord
+from outbox.sending import Ack, BatchResult, kafka_error_of, produce_batch, sending_config
 from relay.progress import encode_progress, last_committed
-from relay.store import Ack
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +21,6 @@ log = logging.getLogger(__name__)
 TRANSACTION_MARGIN_MS = 30_000
 #: The broker's default transaction.max.timeout.ms: no transaction may be longer.
 MAX_TRANSACTION_MS = 900_000
-
-_PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
-
-
-@dataclass
-class BatchResult:
-    """Per message: acknowledged, failed with a Kafka error, or not attempted (released)."""
-
-    acks: list[Ack] = field(default_factory=list)
-    errors: dict[uuid.UUID, KafkaError] = field(default_factory=dict)
-    not_attempted: list[uuid.UUID] = field(default_factory=list)
-    fenced: list[int] = field(default_factory=list)
 
 
 class BatchPublisher(Protocol):
@@ -46,74 +31,6 @@ class BatchPublisher(Protocol):
     def publish(self, records: Sequence[OutboxRecord]) -> BatchResult: ...
 
     def close(self) -> None: ...
-
-
-def _produce_all(
-    producer: Producer,
-    records: Sequence[OutboxRecord],
-    result: BatchResult,
-    timeout: float,
-    give_up: Callable[[], bool] = lambda: False,
-) -> None:
-    """Produce ``records`` in order and wait for every delivery report.
-
-    When ``give_up()`` turns true (a shutdown that waited long enough), what Kafka has not
-    acknowledged yet is purged: those rows are released untouched, for the next owner.
-    """
-    pending = 0
-
-    def report(record_id: uuid.UUID, error: KafkaError | None, message: Message) -> None:
-        nonlocal pending
-        pending -= 1
-        partition, offset = message.partition(), message.offset()
-        if error is None and partition is not None and offset is not None:
-            result.acks.append(Ack(record_id, partition, offset))
-        else:
-            result.errors[record_id] = error or KafkaError(KafkaError._FAIL, "no offset")
-
-    for record in records:
-        while True:
-            try:
-                producer.produce(
-                    record.topic,
-                    value=record.value,
-                    key=record.key,
-                    headers=record.kafka_headers,
-                    on_delivery=functools.partial(report, record.id),
-                )
-                pending += 1
-                break
-            except BufferError:
-                producer.poll(0.05)  # the local queue is full: let deliveries drain it
-            except KafkaException as exc:
-                result.errors[record.id] = exc.args[0]
-                break
-    deadline = time.monotonic() + timeout
-    while pending > 0 and time.monotonic() < deadline:
-        producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
-        if pending > 0 and give_up():
-            producer.purge(in_queue=True, in_flight=True)
-            producer.flush(5)
-            break
-    purged = [rid for rid, err in result.errors.items() if err.code() in _PURGED]
-    for record_id in purged:
-        del result.errors[record_id]
-        result.not_attempted.append(record_id)
-
-
-def kafka_error_of(exc: BaseException) -> KafkaError | None:
-    """The KafkaError behind ``exc``, or None.
-
-    A fatal producer error (fenced, say) is raised from inside ``flush()``; when a delivery
-    report runs after it, confluent-kafka reports a SystemError caused by the KafkaException.
-    """
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, KafkaException):
-            error: KafkaError = seen.args[0]
-            return error
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 class AtLeastOncePublisher:
@@ -127,7 +44,7 @@ class AtLeastOncePublisher:
     ) -> None:
         self.delivery_timeout = delivery_timeout_ms / 1000
         self.give_up = give_up
-        self.config = producer_config({**kafka_config, "delivery.timeout.ms": delivery_timeout_ms})
+        self.config = sending_config(kafka_config, delivery_timeout_ms)
         self.producer = Producer(self.config)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
@@ -139,7 +56,7 @@ class AtLeastOncePublisher:
     def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
         result = BatchResult()
         try:
-            _produce_all(self.producer, records, result, self.delivery_timeout + 10, self.give_up)
+            produce_batch(self.producer, records, result, self.delivery_timeout, self.give_up)
         except (KafkaException, SystemError) as exc:
             error = kafka_error_of(exc)
             if error is None:
@@ -166,11 +83,33 @@ class AtLeastOncePublisher:
         self.producer.flush(30)
 
 
+class Outcome(Enum):
+    """How an exactly-once batch's transaction ended."""
+
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    #: The producer could not finish it (fenced, fatal, or Kafka did not answer in time): the
+    #: shard must be let go; the next owner's ``init_transactions`` settles the transaction,
+    #: and its progress record tells whether the batch is on the topics.
+    LOST = "lost"
+
+
+_FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+
+
 class ExactlyOncePublisher:
     """One transactional producer per owned shard; each batch is one Kafka transaction.
 
     ``transactional.id`` is ``<prefix>-<shard>``: the next owner of a shard fences the last.
     """
+
+    #: Seconds each commit_transaction / abort_transaction call may take.
+    commit_timeout = 60.0
+    abort_timeout = 30.0
+    #: A call that timed out is made again (librdkafka requires it: until the same call
+    #: completes, every other transactional call fails) this many times in all, then the
+    #: shard is let go.
+    finish_attempts = 3
 
     def __init__(
         self,
@@ -213,14 +152,11 @@ class ExactlyOncePublisher:
         recovered: list[Ack] = []
         for shard in shards:
             producer = Producer(
-                producer_config(
-                    {
-                        **self.kafka_config,
-                        "transactional.id": f"{self.prefix}-{shard}",
-                        "transaction.timeout.ms": self.transaction_timeout_ms,
-                        "delivery.timeout.ms": self.delivery_timeout_ms,
-                    }
-                )
+                {
+                    **sending_config(self.kafka_config, self.delivery_timeout_ms),
+                    "transactional.id": f"{self.prefix}-{shard}",
+                    "transaction.timeout.ms": self.transaction_timeout_ms,
+                }
             )
             producer.init_transactions(60)  # fences the old owner, ends its open transaction
             self.producers[shard] = producer
@@ -250,10 +186,11 @@ class ExactlyOncePublisher:
             merged.acks.extend(result.acks)
             merged.errors.update(result.errors)
             merged.not_attempted.extend(result.not_attempted)
-            merged.fenced.extend(result.fenced)
+            merged.lost_shards.extend(result.lost_shards)
         return merged
 
     def _one_shard(self, shard: int, records: list[OutboxRecord]) -> BatchResult:
+        """One Kafka transaction: the records and the shard's progress record, or nothing."""
         result = BatchResult()
         producer = self.producers.get(shard)
         if producer is None:
@@ -261,45 +198,79 @@ class ExactlyOncePublisher:
             return result
         try:
             producer.begin_transaction()
-            _produce_all(
-                producer, records, result, self.delivery_timeout_ms / 1000 + 10, self.give_up
-            )
-            if result.errors or result.not_attempted or len(result.acks) != len(records):
-                producer.abort_transaction(30)
-                failed = set(result.errors)
-                result.not_attempted = [r.id for r in records if r.id not in failed]
-                result.acks.clear()
-                return result
-            producer.produce(
-                self.progress_topic,
-                key=str(shard).encode(),
-                value=encode_progress(shard, self.owner, result.acks),
-                partition=shard,
-            )
-            producer.commit_transaction(60)
+        except KafkaException as exc:
+            return self._lost(shard, records, result, exc.args[0])
+        try:
+            produce_batch(producer, records, result, self.delivery_timeout_ms / 1000, self.give_up)
+            complete = not result.errors and len(result.acks) == len(records)
+            if complete:
+                producer.produce(
+                    self.progress_topic,
+                    key=str(shard).encode(),
+                    value=encode_progress(shard, self.owner, result.acks),
+                    partition=shard,
+                )
         except (KafkaException, SystemError) as exc:
-            found = kafka_error_of(exc)
-            if found is None:
+            error = kafka_error_of(exc)
+            if error is None:
                 raise
-            error = found
-            result.acks.clear()
-            result.errors.clear()
-            result.not_attempted = [r.id for r in records]
-            if error.fatal() or error.code() in {
-                KafkaError._FENCED,
-                KafkaError.PRODUCER_FENCED,
-                KafkaError.INVALID_PRODUCER_EPOCH,
-            }:
-                # Another relay owns the shard now; this producer is dead for good.
-                self.producers.pop(shard, None)
-                result.fenced.append(shard)
-            elif error.txn_requires_abort():
-                try:
-                    producer.abort_transaction(30)
-                except KafkaException:
-                    self.producers.pop(shard, None)
-                    result.fenced.append(shard)
-            log.warning("exactly-once batch of shard %d not committed: %s", shard, error)
+            log.warning("exactly-once batch of shard %d failed: %s", shard, error)
+            result.errors.clear()  # only the transaction's end says what happened now
+            complete = False
+        outcome = self._finish(producer, commit=complete)
+        if outcome is Outcome.COMMITTED:
+            return result
+        if outcome is Outcome.LOST:
+            return self._lost(shard, records, result, None)
+        # Aborted: the rows that failed keep their error (retry, dead); the rest go again.
+        result.acks.clear()
+        result.not_attempted = [r.id for r in records if r.id not in result.errors]
+        return result
+
+    def _finish(self, producer: Producer, commit: bool) -> Outcome:
+        """Commit (or abort) the open transaction, resuming a call that timed out."""
+        for attempt in range(1, self.finish_attempts + 1):
+            try:
+                if commit:
+                    producer.commit_transaction(self.commit_timeout)
+                    return Outcome.COMMITTED
+                producer.abort_transaction(self.abort_timeout)
+                return Outcome.ABORTED
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or error.code() in _FENCED:
+                    log.warning("transactional producer unusable: %s", error)
+                    return Outcome.LOST
+                if commit and error.txn_requires_abort():
+                    commit = False  # the transaction cannot commit: abort it instead
+                    continue
+                if not error.retriable() or self.give_up():
+                    log.warning("transaction not finished: %s", error)
+                    return Outcome.LOST
+                log.warning(
+                    "%s timed out (attempt %d of %d): %s",
+                    "commit" if commit else "abort",
+                    attempt,
+                    self.finish_attempts,
+                    error,
+                )
+        return Outcome.LOST
+
+    def _lost(
+        self,
+        shard: int,
+        records: list[OutboxRecord],
+        result: BatchResult,
+        error: KafkaError | None,
+    ) -> BatchResult:
+        """This producer cannot go on: the batch is released and the shard let go."""
+        if error is not None:
+            log.warning("shard %d: transactional producer cannot go on: %s", shard, error)
+        self.producers.pop(shard, None)
+        result.acks.clear()
+        result.errors.clear()
+        result.not_attempted = [r.id for r in records]
+        result.lost_shards.append(shard)
         return result
 
     def close(self) -> None:

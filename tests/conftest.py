@@ -14,9 +14,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 
+from chaos.proxy import FaultProxy
+from chaos.stack import route_through_proxy
 from devstack import LocalStack, StackError
 from devstack.kafka import KafkaBroker
 from devstack.postgres import PostgresServer
+from devstack.procs import free_port
 from devstack.stack import spark_jars, sweep_stale_runs
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -47,12 +50,39 @@ def postgres_server(local_stack: LocalStack) -> PostgresServer:
 
 
 @pytest.fixture(scope="session")
-def kafka_broker(local_stack: LocalStack) -> KafkaBroker:
+def _kafka_proxy() -> Iterator[FaultProxy]:
+    proxy = FaultProxy(free_port(), free_port())
+    proxy.start()
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(local_stack: LocalStack, _kafka_proxy: FaultProxy) -> KafkaBroker:
+    """The session's broker; a second listener is reached only through a fault proxy (see
+    ``faulty_kafka``)."""
     try:
+        if not local_stack.kafka.running():
+            route_through_proxy(local_stack.kafka, _kafka_proxy)
         return local_stack.up_kafka()
     except StackError as exc:
         server_unavailable("Kafka", exc)
         raise
+
+
+@pytest.fixture
+def faulty_kafka(kafka_broker: KafkaBroker, _kafka_proxy: FaultProxy) -> Iterator[FaultProxy]:
+    """The fault proxy in front of the broker's second listener, healthy again after the test.
+
+    Clients bootstrapped at ``f"127.0.0.1:{faulty_kafka.listen_port}"`` reach the broker (and
+    every partition leader) only through it, so ``stall()``, ``drop()`` and latency hit all
+    their traffic.
+    """
+    _kafka_proxy.heal()
+    _kafka_proxy.set_latency(0)
+    yield _kafka_proxy
+    _kafka_proxy.heal()
+    _kafka_proxy.set_latency(0)
 
 
 @pytest.fixture

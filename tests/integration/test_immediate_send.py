@@ -165,3 +165,56 @@ def test_keep_nothing_mode_deletes_rows_once_acknowledged(
     assert sorted(outcome.sent) == sorted(ids)
     assert rows(engine) == {}
     assert len(consume_messages(bootstrap_servers, topic, expect=5)) == 5
+
+
+def test_rows_released_after_a_send_ran_out_of_time_are_no_longer_on_their_way(
+    engine, kafka_broker, faulty_kafka, make_topic, sender
+) -> None:  # type: ignore[no-untyped-def]
+    """The sender waits its whole delivery timeout (here longer than 20 s), then purges what
+    Kafka has not acknowledged before it gives the rows back: when the broker comes back,
+    none of them is sent from this producer behind the relay's back."""
+    topic = make_topic("timeout")
+    ids = publish(engine, topic, 5)
+    faulty_kafka.drop()  # the broker cannot be reached at all
+    immediate = sender(
+        kafka={
+            "bootstrap.servers": f"127.0.0.1:{faulty_kafka.listen_port}",
+            "delivery.timeout.ms": 25_000,
+        },
+        lease_seconds=40,
+    )
+    started = time.monotonic()
+    outcome = immediate.send_now(ids)
+    assert time.monotonic() - started >= 24
+    assert outcome.sent == [] and set(outcome.failed) == set(ids)
+    assert {(r["status"], r["lease_owner"]) for r in rows(engine).values()} == {("pending", None)}
+    faulty_kafka.heal()
+    late = consume_messages(
+        kafka_broker.bootstrap_servers, topic, expect=0, timeout=6, isolation="read_uncommitted"
+    )
+    assert late == []
+
+
+def test_a_message_behind_a_deep_backlog_of_its_shard_is_left_to_the_relay(
+    engine, bootstrap_servers, make_topic, sender
+) -> None:  # type: ignore[no-untyped-def]
+    """The order check reads at most ORDER_CHECK_REACH earlier rows of a shard; behind a deeper
+    backlog the relay is behind anyway, and sends the message in order."""
+    from outbox.immediate import ORDER_CHECK_REACH
+    from outbox.schema import shard_of
+
+    topic = make_topic("backlog")
+    key = "behind"
+    shard = shard_of(key.encode(), uuid.uuid4())
+    others = [f"o{n}" for n in range(5000) if shard_of(f"o{n}".encode(), uuid.uuid4()) == shard]
+    with Outbox(engine).transaction() as tx:
+        tx.publish_many(
+            [
+                Message(topic, {"n": n}, key=others[n % len(others)])
+                for n in range(ORDER_CHECK_REACH + 50)
+            ]
+        )
+    (newest,) = publish(engine, topic, 1, key=key)
+    outcome = sender().send_now([newest])
+    assert outcome.sent == [] and outcome.left_to_relay == [newest]
+    assert rows(engine)[newest]["lease_owner"] is None

@@ -50,12 +50,12 @@ def test_a_fenced_publisher_gives_the_shard_up_and_the_new_owner_sends(
         assert len(old.publish(batch[:10]).acks) == 10  # the old owner works until fenced
         new.take_over([0])  # fences the old owner's producer
         result = old.publish(batch[10:])
-        assert result.fenced == [0]
+        assert result.lost_shards == [0]
         assert not result.acks and not result.errors
         assert sorted(result.not_attempted) == sorted(r.id for r in batch[10:])
         assert 0 not in old.producers
         sent = new.publish(batch[10:])
-        assert len(sent.acks) == 40 and not sent.fenced
+        assert len(sent.acks) == 40 and not sent.lost_shards
     finally:
         old.close()
         new.close()

@@ -11,11 +11,12 @@ import pytest
 from confluent_kafka import KafkaError
 
 from outbox.errors import ConfigError
+from outbox.records import OutboxRecord
+from outbox.sending import Ack, BatchResult, order_gaps
 from relay.config import RelayConfig, kafka_config_from_env, masked_kafka_config
-from relay.observability import JsonFormatter, mask_secrets
+from relay.observability import HealthState, JsonFormatter, mask_secrets
 from relay.policy import RETRIABLE, RetryPolicy, classify
 from relay.progress import decode_progress, encode_progress
-from relay.store import Ack
 
 
 @pytest.mark.parametrize(
@@ -114,3 +115,42 @@ def test_secrets_are_masked_in_text_and_log_lines() -> None:
 def test_progress_records_round_trip() -> None:
     acks = [Ack(uuid.uuid4(), 0, 17), Ack(uuid.uuid4(), 2, 5)]
     assert decode_progress(encode_progress(3, "relay-x", acks)) == acks
+
+
+def test_progress_records_carry_the_generation_and_older_ones_read_as_generation_zero() -> None:
+    ack = Ack(uuid.uuid4(), 1, 7, generation=3)
+    assert decode_progress(encode_progress(0, "relay-x", [ack])) == [ack]
+    older = json.dumps({"shard": 0, "owner": "relay-x", "acks": [[str(ack.id), 1, 7]]})
+    assert decode_progress(older.encode()) == [Ack(ack.id, 1, 7, 0)]
+
+
+def _record(n: int, key: bytes | None) -> OutboxRecord:
+    return OutboxRecord(uuid.UUID(int=n + 1), n, 0, "orders", key, b"v", [])
+
+
+def test_order_gaps_are_acks_behind_a_failure_that_holds_the_key() -> None:
+    a1, b1, a2, b2, c1 = (_record(n, key) for n, key in enumerate([b"a", b"b", b"a", b"b", None]))
+    result = BatchResult(
+        acks=[Ack(r.id, 0, n) for n, r in enumerate([b1, a2, c1])],
+        errors={a1.id: KafkaError(KafkaError._TIMED_OUT), b2.id: KafkaError(KafkaError._FAIL)},
+    )
+    retriable = lambda error: classify(error) == RETRIABLE  # noqa: E731
+    assert order_gaps([a1, b1, a2, b2, c1], result, retriable) == [a2.id]
+    # A message that went dead (too large, say) does not hold its key back: no gap.
+    dead = BatchResult(
+        acks=[Ack(a2.id, 0, 0)], errors={a1.id: KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)}
+    )
+    assert order_gaps([a1, a2], dead, retriable) == []
+
+
+def test_health_turns_bad_when_batches_keep_going_unsent() -> None:
+    health = HealthState(stale_after=30)
+    health.batch_done(progressed=False)
+    assert health.alive and not health.stuck  # one unsent batch is not yet stuck
+    health.batch_done(progressed=False)
+    assert health.stuck_since is not None
+    health.stuck_since -= 31  # as if every batch since had come back unsent for 31 s
+    health.tick()
+    assert health.stuck and not health.alive
+    health.batch_done(progressed=True)
+    assert health.alive and not health.stuck

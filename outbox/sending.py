@@ -1,0 +1,175 @@
+"""Producing a batch of outbox records and waiting for Kafka's word on each: the one sending
+core that the relay and the immediate sender share.
+
+Two rules keep a key's records in order on its partition whatever happens:
+
+* **One deadline for the whole batch, owned here.** librdkafka's own message timeout is set
+  past it (:func:`sending_config`), so librdkafka never expires a message on its own. When
+  the deadline passes, everything not acknowledged yet is purged at once, queued and in flight
+  alike. Had librdkafka expired the messages one by one instead, the idempotent producer would
+  bump its epoch after the first and could still deliver a later message of the same key:
+  a gap, and the earlier message would arrive after it once retried.
+* **Acknowledgements per partition come in produce order** (the idempotent producer), so what
+  is acknowledged when the batch ends is a prefix of each partition's records, and what failed
+  is the rest. :func:`order_gaps` checks it after every batch, as a tripwire.
+
+After :func:`produce_batch` returns, nothing of the batch is left in the producer: a caller
+may give unacknowledged rows back to other senders without racing its own producer.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from outbox.records import OutboxRecord, producer_config
+
+#: librdkafka's message timeout lies this far past the batch deadline, so the purge at the
+#: deadline always comes first.
+LIBRDKAFKA_TIMEOUT_MARGIN_MS = 30_000
+
+_PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Kafka stored a message: where, and which requeue generation of its row was sent."""
+
+    id: uuid.UUID
+    partition: int
+    offset: int
+    generation: int = 0
+
+
+@dataclass
+class BatchResult:
+    """Per message: acknowledged, failed with a Kafka error, or not attempted (released).
+
+    ``lost_shards`` (exactly-once) are shards whose producer cannot go on: the caller must let
+    them go, so that a take-over settles their open transaction.
+    """
+
+    acks: list[Ack] = field(default_factory=list)
+    errors: dict[uuid.UUID, KafkaError] = field(default_factory=dict)
+    not_attempted: list[uuid.UUID] = field(default_factory=list)
+    lost_shards: list[int] = field(default_factory=list)
+
+
+def sending_config(kafka_config: Mapping[str, Any], delivery_timeout_ms: int) -> dict[str, Any]:
+    """Producer settings for :func:`produce_batch` with a batch deadline of
+    ``delivery_timeout_ms``: librdkafka's own timeout is set past it."""
+    return producer_config(
+        {
+            **kafka_config,
+            "delivery.timeout.ms": delivery_timeout_ms + LIBRDKAFKA_TIMEOUT_MARGIN_MS,
+        }
+    )
+
+
+def produce_batch(
+    producer: Producer,
+    records: Sequence[OutboxRecord],
+    result: BatchResult,
+    timeout: float,
+    give_up: Callable[[], bool] = lambda: False,
+) -> None:
+    """Produce ``records`` in order and wait up to ``timeout`` seconds for every report.
+
+    At the deadline what is not acknowledged fails with ``_TIMED_OUT`` (a retriable error);
+    when ``give_up()`` turns true first (a shutdown that waited long enough) it is reported
+    ``not_attempted`` instead, to be released untouched. Either way it is purged first.
+    """
+    deadline = time.monotonic() + timeout
+    pending = 0
+
+    def report(record: OutboxRecord, error: KafkaError | None, message: Message) -> None:
+        nonlocal pending
+        pending -= 1
+        partition, offset = message.partition(), message.offset()
+        if error is None and partition is not None and offset is not None:
+            result.acks.append(Ack(record.id, partition, offset, record.generation))
+        else:
+            result.errors[record.id] = error or KafkaError(KafkaError._FAIL, "no offset")
+
+    for record in records:
+        while True:
+            try:
+                producer.produce(
+                    record.topic,
+                    value=record.value,
+                    key=record.key,
+                    headers=record.kafka_headers,
+                    on_delivery=functools.partial(report, record),
+                )
+                pending += 1
+                break
+            except BufferError:
+                producer.poll(0.05)  # the local queue is full: let deliveries drain it
+            except KafkaException as exc:
+                result.errors[record.id] = exc.args[0]
+                break
+    stopping = False
+    while pending > 0:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or give_up():
+            stopping = remaining > 0
+            break
+        producer.flush(min(1.0, remaining))
+    if pending > 0:
+        producer.purge(in_queue=True, in_flight=True)
+        producer.flush(5)  # runs the purged messages' reports
+    purged = [rid for rid, err in result.errors.items() if err.code() in _PURGED]
+    for record_id in purged:
+        if stopping:
+            del result.errors[record_id]
+            result.not_attempted.append(record_id)
+        else:
+            result.errors[record_id] = KafkaError(
+                KafkaError._TIMED_OUT, f"not acknowledged within {timeout:.0f}s"
+            )
+
+
+def kafka_error_of(exc: BaseException) -> KafkaError | None:
+    """The KafkaError behind ``exc``, or None.
+
+    A fatal producer error (fenced, say) is raised from inside ``flush()``; when a delivery
+    report runs after it, confluent-kafka reports a SystemError caused by the KafkaException.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KafkaException):
+            error: KafkaError = seen.args[0]
+            return error
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def order_gaps(
+    records: Sequence[OutboxRecord],
+    result: BatchResult,
+    holds_key: Callable[[KafkaError], bool],
+) -> list[uuid.UUID]:
+    """Acknowledged messages behind an earlier message of their key that failed with an error
+    that holds the key back (``holds_key``: a retriable one; a dead message does not).
+
+    Empty whenever the rules above hold; anything else means a key's order broke on its topic.
+    """
+    acked = {ack.id for ack in result.acks}
+    failed_keys: set[tuple[str, bytes]] = set()
+    gaps: list[uuid.UUID] = []
+    for record in sorted(records, key=lambda r: r.seq):
+        if record.key is None:
+            continue
+        key = (record.topic, record.key)
+        error = result.errors.get(record.id)
+        if error is not None and holds_key(error):
+            failed_keys.add(key)
+        elif record.id in acked and key in failed_keys:
+            gaps.append(record.id)
+    return gaps

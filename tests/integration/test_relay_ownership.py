@@ -1,0 +1,91 @@
+"""Shard ownership after a relay gives a shard up: the advisory lock goes with it, so the shard
+is never left locked by a relay that no longer sends it."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
+
+from outbox import Message, Outbox
+from outbox.schema import SHARD_COUNT, shard_of
+from relay.daemon import Relay
+from relay.producers import ExactlyOncePublisher
+from relay.progress import ensure_progress_topic
+from tests.relay_helpers import relay_config, running_relay, wait_for
+
+pytestmark = pytest.mark.integration
+
+LAST_SHARD = SHARD_COUNT - 1  # the first a relay lets go of when another joins
+
+
+def key_of_shard(shard: int) -> str:
+    n = 0
+    while shard_of(f"key-{n}".encode(), uuid.uuid4()) != shard:
+        n += 1
+    return f"key-{n}"
+
+
+def owned(relay: Relay) -> set[int]:
+    return set(relay._ownership.owned) if relay._ownership is not None else set()
+
+
+def unsent(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(sa.text("SELECT count(*) FROM outbox WHERE status <> 'sent'")).scalar_one()
+        )
+
+
+def test_a_shard_given_up_after_its_producer_was_fenced_is_unlocked(
+    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    topic = make_topic("orphan")
+    prefix = f"orphan-{uuid.uuid4().hex[:8]}"
+    progress = f"p-{prefix}"
+    ensure_progress_topic(AdminClient({"bootstrap.servers": bootstrap_servers}), progress)
+    config = relay_config(
+        outbox_url,
+        bootstrap_servers,
+        mode="exactly-once",
+        transactional_id_prefix=prefix,
+        progress_topic=progress,
+    )
+    key = key_of_shard(LAST_SHARD)
+    ob = Outbox(engine)
+
+    def publish(count: int) -> None:
+        with ob.transaction() as tx:
+            tx.publish_many([Message(topic, {"n": n}, key=key) for n in range(count)])
+
+    with running_relay(config) as first:
+        wait_for(lambda: len(owned(first)) == SHARD_COUNT, 60, "the first relay to own every shard")
+        publish(10)
+        wait_for(lambda: unsent(engine) == 0, 30, "the first messages sent")
+        # Something else opens the shard's transactional id: the relay's producer is fenced.
+        intruder = ExactlyOncePublisher(
+            {"bootstrap.servers": bootstrap_servers},
+            transactional_id_prefix=prefix,
+            progress_topic=progress,
+            owner="intruder",
+            delivery_timeout_ms=10_000,
+        )
+        intruder.take_over([LAST_SHARD])
+        intruder.close()
+        publish(10)
+        # The relay gives the shard up, takes it again (fencing the intruder) and sends.
+        wait_for(lambda: unsent(engine) == 0, 60, "the shard sent again after the fence")
+        with running_relay(config) as second:
+            wait_for(
+                lambda: (
+                    len(owned(first)) + len(owned(second)) == SHARD_COUNT
+                    and len(owned(second)) == SHARD_COUNT // 2
+                ),
+                60,
+                "the two relays to share every shard",
+            )
+            assert LAST_SHARD in owned(second)
+            publish(10)
+            wait_for(lambda: unsent(engine) == 0, 60, "the shard sent by its new owner")
