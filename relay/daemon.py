@@ -40,6 +40,8 @@ log = logging.getLogger("outbox.relay")
 GAUGE_INTERVAL = 5.0
 #: Longest pause after the database or Kafka failed, before trying again.
 MAX_ERROR_PAUSE = 10.0
+#: Seconds a broker has to answer the metadata request that shows Kafka is in reach.
+KAFKA_PROBE_TIMEOUT = 5.0
 
 
 class Relay:
@@ -128,6 +130,7 @@ class Relay:
                     self._stop.wait(pause)
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
                 except (KafkaException, TimeoutError) as error:
+                    self.health.kafka_ok = False
                     # TimeoutError: Kafka did not answer in time (progress reads in a take-over).
                     if (
                         isinstance(error, KafkaException)
@@ -185,6 +188,8 @@ class Relay:
                 extra={"message_ids": [str(g) for g in gaps]},
             )
         self.health.batch_done(progressed=bool(result.acks or failures) or self._stop.is_set())
+        if result.acks:
+            self.health.kafka_ok = True
         self._observe(batch, records, result.acks, failures, acked_at, time.monotonic() - started)
         self.batches += 1
         return len(batch)
@@ -266,7 +271,6 @@ class Relay:
         self._conn.execute("SET tcp_keepalives_count = 3")
         self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
         self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
-        self._ownership.join()
         self.health.database_ok = True
         self._next_rebalance = 0.0
         log.info("connected; listening on %s", self.config.spec.notify_channel)
@@ -299,7 +303,13 @@ class Relay:
             return
         assert self._ownership is not None and self._publisher is not None
         self._next_rebalance = now + self.config.rebalance_interval
-        gained, lost = self._ownership.rebalance()
+        if not self._ownership.joined:
+            # A relay that cannot publish must not count as a member: each member lowers the
+            # others' share, and the shards they let go would wait for it.
+            self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
+            self.health.kafka_ok = True
+            self._ownership.join()
+        gained, lost = self._ownership.rebalance(can_serve=self._kafka_reachable)
         if lost:
             self._publisher.let_go(lost)
             log.info("released shards %s", lost)
@@ -309,6 +319,18 @@ class Relay:
         if now >= self._next_gauge:
             self._next_gauge = now + GAUGE_INTERVAL
             self.metrics.oldest_pending.set(self.store.oldest_pending_age())
+
+    def _kafka_reachable(self) -> bool:
+        """Probe Kafka before taking shards: a relay out of its reach takes none."""
+        assert self._publisher is not None
+        try:
+            self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
+        except KafkaException as error:
+            log.warning("Kafka out of reach (%s); taking no shards", error.args[0])
+            self.health.kafka_ok = False
+            return False
+        self.health.kafka_ok = True
+        return True
 
     def _take_over(self, shards: list[int]) -> None:
         assert self._publisher is not None and self._ownership is not None

@@ -110,6 +110,7 @@ class HealthState:
         self.last_tick = time.monotonic()
         self.stuck_since: float | None = None
         self.database_ok = False
+        self.kafka_ok = False
         self.stopping = False
 
     def tick(self) -> None:
@@ -134,7 +135,20 @@ class HealthState:
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.database_ok and not self.stopping
+        return self.alive and self.database_ok and self.kafka_ok and not self.stopping
+
+    def not_ready_because(self) -> str:
+        reasons = [
+            reason
+            for reason, bad in (
+                ("stopping", self.stopping),
+                ("not alive", not self.alive),
+                ("database out of reach", not self.database_ok),
+                ("Kafka out of reach", not self.kafka_ok),
+            )
+            if bad
+        ]
+        return ", ".join(reasons)
 
 
 def serve(host: str, port: int, metrics: RelayMetrics, health: HealthState) -> ThreadingHTTPServer:
@@ -155,8 +169,10 @@ def serve(host: str, port: int, metrics: RelayMetrics, health: HealthState) -> T
                 )
                 self._send(200 if ok else 503, body)
             elif self.path == "/readyz":
-                ok = health.ready
-                self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+                if health.ready:
+                    self._send(200, b"ready\n")
+                else:
+                    self._send(503, f"not ready: {health.not_ready_because()}\n".encode())
             else:
                 self._send(404, b"not found\n")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -38,16 +39,20 @@ class ShardOwnership:
     member_number: int
     shard_count: int = SHARD_COUNT
     owned: set[int] = field(default_factory=set)
+    joined: bool = False
 
     def __post_init__(self) -> None:
         self._shards_key = lock_space(self.spec, "shard")
         self._members_key = lock_space(self.spec, "member")
 
     def join(self) -> None:
-        """Take the member lock (counted by everyone's rebalance)."""
-        self.conn.execute(
-            "SELECT pg_advisory_lock(%s, %s)", (self._members_key, self.member_number)
-        )
+        """Take the member lock (counted by everyone's rebalance). Join only when able to
+        publish: every member lowers the others' share."""
+        if not self.joined:
+            self.conn.execute(
+                "SELECT pg_advisory_lock(%s, %s)", (self._members_key, self.member_number)
+            )
+            self.joined = True
 
     def members(self) -> int:
         row = self.conn.execute(
@@ -59,9 +64,13 @@ class ShardOwnership:
         ).fetchone()
         return max(1, int(row[0]) if row else 1)
 
-    def rebalance(self) -> tuple[list[int], list[int]]:
+    def rebalance(
+        self, can_serve: Callable[[], bool] = lambda: True
+    ) -> tuple[list[int], list[int]]:
         """Let go of shards above this relay's share, lock free ones below it.
 
+        ``can_serve`` is asked before locking any: a relay that cannot publish right now
+        (Kafka out of its reach) takes nothing from relays that can.
         Returns (gained, lost). Call it only between batches: a lost shard must have no
         batch in flight.
         """
@@ -73,7 +82,7 @@ class ShardOwnership:
             self.owned.discard(shard)
             lost.append(shard)
         gained: list[int] = []
-        if len(self.owned) < target:
+        if len(self.owned) < target and len(self.owned) < self._free_or_mine() and can_serve():
             # Start at a member-specific shard so that relays starting together collide less.
             start = self.member_number % self.shard_count
             for step in range(self.shard_count):
@@ -89,6 +98,16 @@ class ShardOwnership:
                     self.owned.add(shard)
                     gained.append(shard)
         return sorted(gained), sorted(lost)
+
+    def _free_or_mine(self) -> int:
+        """How many shards this relay could own now: its own plus those nobody holds."""
+        row = self.conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND objsubid = 2 AND classid = %s::bigint::oid AND pid <> pg_backend_pid()"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (self._shards_key,),
+        ).fetchone()
+        return self.shard_count - (int(row[0]) if row else 0)
 
     def release(self, shards: list[int]) -> None:
         """Unlock ``shards`` now (a take-over that failed: another round will try again)."""

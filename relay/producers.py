@@ -24,6 +24,10 @@ MAX_TRANSACTION_MS = 900_000
 
 
 class BatchPublisher(Protocol):
+    def check_reachable(self, timeout: float) -> None:
+        """Raise KafkaException unless a broker answers a metadata request in time."""
+        ...
+
     def take_over(self, shards: Sequence[int]) -> list[Ack]: ...
 
     def let_go(self, shards: Sequence[int]) -> None: ...
@@ -46,6 +50,9 @@ class AtLeastOncePublisher:
         self.give_up = give_up
         self.config = sending_config(kafka_config, delivery_timeout_ms)
         self.producer = Producer(self.config)
+
+    def check_reachable(self, timeout: float) -> None:
+        self.producer.list_topics(timeout=timeout)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         return []
@@ -146,6 +153,9 @@ class ExactlyOncePublisher:
             "auto.offset.reset": "earliest",
         }
         self._consumer = Consumer(self._consumer_config)
+
+    def check_reachable(self, timeout: float) -> None:
+        self._consumer.list_topics(timeout=timeout)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         """Fence earlier owners of ``shards`` and return what their last transactions sent."""

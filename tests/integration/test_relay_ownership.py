@@ -3,6 +3,9 @@ is never left locked by a relay that no longer sends it."""
 
 from __future__ import annotations
 
+import time
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
@@ -89,3 +92,28 @@ def test_a_shard_given_up_after_its_producer_was_fenced_is_unlocked(
             assert LAST_SHARD in owned(second)
             publish(10)
             wait_for(lambda: unsent(engine) == 0, 60, "the shard sent by its new owner")
+
+
+def test_a_relay_that_cannot_reach_kafka_takes_no_shards_and_is_not_ready(
+    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    from devstack.procs import free_port
+
+    topic = make_topic("unreachable")
+    healthy = relay_config(outbox_url, bootstrap_servers, metrics_port=0)
+    cut_off = relay_config(outbox_url, f"127.0.0.1:{free_port()}", metrics_port=0)
+    with running_relay(healthy) as first:
+        wait_for(lambda: len(owned(first)) == SHARD_COUNT, 60, "the healthy relay to own all")
+        with running_relay(cut_off) as second:
+            wait_for(lambda: second.health.database_ok, 30, "the second relay connected")
+            for _ in range(3):  # a few rebalance rounds of both
+                time.sleep(1.0)
+                assert len(owned(first)) == SHARD_COUNT and not owned(second)
+            ready = urllib.request.Request(f"http://127.0.0.1:{second.metrics_server_port}/readyz")
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(ready, timeout=5)
+            assert answer.value.code == 503
+            assert b"Kafka out of reach" in answer.value.read()
+            with Outbox(engine).transaction() as tx:
+                tx.publish_many([Message(topic, {"n": n}, key=f"k{n}") for n in range(50)])
+            wait_for(lambda: unsent(engine) == 0, 30, "every message sent by the healthy relay")
