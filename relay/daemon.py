@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from types import FrameType
+from typing import Any
 
 import psycopg
 import sqlalchemy as sa
@@ -30,7 +31,12 @@ from relay.config import RelayConfig, masked_kafka_config
 from relay.observability import HealthState, RelayMetrics, mask_secrets, serve
 from relay.ownership import ShardOwnership
 from relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
-from relay.producers import AtLeastOncePublisher, BatchPublisher, ExactlyOncePublisher
+from relay.producers import (
+    KAFKA_LOG,
+    AtLeastOncePublisher,
+    BatchPublisher,
+    ExactlyOncePublisher,
+)
 from relay.progress import ensure_progress_topic
 from relay.store import Failure, Leased, RelayStore
 
@@ -280,14 +286,17 @@ class Relay:
             return AtLeastOncePublisher(
                 self.config.kafka, self.config.delivery_timeout_ms, self._shutdown_overdue
             )
-        admin = AdminClient(
-            {
-                k: v
-                for k, v in self.config.kafka.items()
-                if not k.startswith(("linger", "compression"))
-            }
-        )
-        ensure_progress_topic(admin, self.config.progress_topic_name)
+        settings: dict[str, Any] = {
+            k: v
+            for k, v in self.config.kafka.items()
+            if not k.startswith(("linger", "compression"))
+        }
+        settings["logger"] = KAFKA_LOG
+        admin = AdminClient(settings)
+        try:
+            ensure_progress_topic(admin, self.config.progress_topic_name)
+        finally:
+            admin.poll(0)  # hands its log lines over
         return ExactlyOncePublisher(
             self.config.kafka,
             transactional_id_prefix=self.config.transactional_prefix,
@@ -303,6 +312,7 @@ class Relay:
             return
         assert self._ownership is not None and self._publisher is not None
         self._next_rebalance = now + self.config.rebalance_interval
+        self._publisher.serve_events()
         if not self._ownership.joined:
             # A relay that cannot publish must not count as a member: each member lowers the
             # others' share, and the shards they let go would wait for it.

@@ -15,6 +15,9 @@ from outbox.sending import Ack, BatchResult, kafka_error_of, produce_batch, send
 from relay.progress import encode_progress, last_committed
 
 log = logging.getLogger(__name__)
+#: librdkafka's own lines (connection failures, ...) go through this logger, so that they come
+#: out as JSON lines like the relay's (they are handed over while the client is polled).
+KAFKA_LOG = logging.getLogger("outbox.kafka")
 
 
 #: How much longer than the delivery timeout a Kafka transaction may stay open.
@@ -26,6 +29,10 @@ MAX_TRANSACTION_MS = 900_000
 class BatchPublisher(Protocol):
     def check_reachable(self, timeout: float) -> None:
         """Raise KafkaException unless a broker answers a metadata request in time."""
+        ...
+
+    def serve_events(self) -> None:
+        """Hand queued client events (librdkafka's log lines) over, also while idle."""
         ...
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]: ...
@@ -48,11 +55,17 @@ class AtLeastOncePublisher:
     ) -> None:
         self.delivery_timeout = delivery_timeout_ms / 1000
         self.give_up = give_up
-        self.config = sending_config(kafka_config, delivery_timeout_ms)
+        self.config = {**sending_config(kafka_config, delivery_timeout_ms), "logger": KAFKA_LOG}
         self.producer = Producer(self.config)
 
     def check_reachable(self, timeout: float) -> None:
-        self.producer.list_topics(timeout=timeout)
+        try:
+            self.producer.list_topics(timeout=timeout)
+        finally:
+            self.serve_events()
+
+    def serve_events(self) -> None:
+        self.producer.poll(0)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         return []
@@ -151,11 +164,20 @@ class ExactlyOncePublisher:
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "auto.offset.reset": "earliest",
+            "logger": KAFKA_LOG,
         }
         self._consumer = Consumer(self._consumer_config)
 
     def check_reachable(self, timeout: float) -> None:
-        self._consumer.list_topics(timeout=timeout)
+        try:
+            self._consumer.list_topics(timeout=timeout)
+        finally:
+            self.serve_events()
+
+    def serve_events(self) -> None:
+        self._consumer.poll(0)  # assigned to nothing between take-overs: only events
+        for producer in self.producers.values():
+            producer.poll(0)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         """Fence earlier owners of ``shards`` and return what their last transactions sent."""
@@ -166,6 +188,7 @@ class ExactlyOncePublisher:
                     **sending_config(self.kafka_config, self.delivery_timeout_ms),
                     "transactional.id": f"{self.prefix}-{shard}",
                     "transaction.timeout.ms": self.transaction_timeout_ms,
+                    "logger": KAFKA_LOG,
                 }
             )
             producer.init_transactions(60)  # fences the old owner, ends its open transaction

@@ -65,3 +65,21 @@ def test_a_relay_started_while_kafka_is_unreachable_waits_and_then_delivers(
     assert relay.poll() is None
     assert stop_process(relay) == 0
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
+def test_every_line_a_relay_writes_is_json_also_kafkas_own(
+    mode: str, outbox_url: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    import json
+
+    proxy.drop()  # librdkafka logs every failed connection
+    log = tmp_path / "relay.log"
+    relay = start_relay_process(
+        outbox_url, f"127.0.0.1:{proxy.listen_port}", "--mode", mode, log=log, ready=False
+    )
+    wait_for(lambda: "outbox.kafka" in log.read_text(), 40, "librdkafka's own log lines")
+    assert stop_process(relay) == 0
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    for line in lines:
+        assert json.loads(line)["msg"], line
