@@ -238,10 +238,12 @@ class ImmediateSender:
             log.exception("immediate send failed; %d messages left to the relay", len(batch))
             return
         if outcome.failed:
+            reasons = sorted(set(outcome.failed.values()))
             log.warning(
-                "immediate send: %d of %d messages failed and stay pending for the relay",
+                "immediate send: %d of %d messages failed and stay pending for the relay: %s",
                 len(outcome.failed),
                 len(batch),
+                "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else ""),
             )
 
 

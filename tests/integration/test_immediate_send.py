@@ -218,3 +218,16 @@ def test_a_message_behind_a_deep_backlog_of_its_shard_is_left_to_the_relay(
     outcome = sender().send_now([newest])
     assert outcome.sent == [] and outcome.left_to_relay == [newest]
     assert rows(engine)[newest]["lease_owner"] is None
+
+
+def test_a_failed_immediate_send_logs_why(engine, sender, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    ids = publish(engine, "no-such-topic-here", 2)
+    immediate = sender()
+    with caplog.at_level(logging.WARNING, logger="outbox.immediate"):
+        assert immediate.submit(ids)
+        assert immediate.flush(30)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "outbox.immediate"]
+    assert "2 of 2 messages failed" in line and "Unknown topic" in line, line
+    assert {r["status"] for r in rows(engine).values()} == {"pending"}
