@@ -32,17 +32,22 @@ elsewhere AS (
     SELECT p.shard, p.seq, p.topic, p.key
       FROM reach AS r
      CROSS JOIN LATERAL (
+           SELECT EXISTS (
+                  SELECT 1 FROM {table} AS f
+                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                     AND f.shard = r.shard) AS backing_off) AS b
+     CROSS JOIN LATERAL (
            SELECT q.shard, q.seq, q.topic, q.key
              FROM {table} AS q
             WHERE q.status = 'pending' AND q.shard = r.shard AND q.seq < r.seq
               AND q.lease_owner IS DISTINCT FROM :owner
               AND (q.next_attempt_at IS NULL OR q.next_attempt_at <= now())
-              AND NOT EXISTS (
+              AND (NOT b.backing_off OR q.key IS NULL OR NOT EXISTS (
                   SELECT 1
                     FROM {table} AS f
                    WHERE f.status = 'pending' AND f.next_attempt_at > now()
                      AND f.shard = q.shard AND f.topic = q.topic AND f.key = q.key
-                     AND f.seq < q.seq)
+                     AND f.seq < q.seq))
             ORDER BY q.seq
             LIMIT :reach) AS p),
 searched AS (
@@ -121,16 +126,23 @@ WITH window_rows AS (
     SELECT o.id, o.seq, o.topic, o.key, o.lease_owner, o.lease_until
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
      CROSS JOIN LATERAL (
+           SELECT EXISTS (
+                  SELECT 1 FROM {table} AS f
+                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                     AND f.shard = s.shard) AS backing_off) AS r
+     CROSS JOIN LATERAL (
            SELECT p.id, p.seq, p.topic, p.key, p.lease_owner, p.lease_until
              FROM {table} AS p
             WHERE p.status = 'pending' AND p.shard = s.shard
               AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
-              AND NOT EXISTS (
+              -- Probed only in a shard with rows backing off, and kept a probe per row by the
+              -- OR (an anti join would compare each row with every row backing off).
+              AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
                   SELECT 1
                     FROM {table} AS f
                    WHERE f.status = 'pending' AND f.next_attempt_at > now()
                      AND f.shard = p.shard AND f.topic = p.topic AND f.key = p.key
-                     AND f.seq < p.seq)
+                     AND f.seq < p.seq))
             ORDER BY p.seq
             LIMIT :window) AS o),
 blockers AS (
