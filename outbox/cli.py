@@ -181,44 +181,82 @@ def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
     default="at-least-once",
     show_default=True,
     envvar="OUTBOX_RELAY_MODE",
+    show_envvar=True,
 )
-@click.option("--batch-size", default=1000, show_default=True, envvar="OUTBOX_RELAY_BATCH_SIZE")
+@click.option(
+    "--batch-size",
+    default=1000,
+    show_default=True,
+    envvar="OUTBOX_RELAY_BATCH_SIZE",
+    show_envvar=True,
+)
 @click.option(
     "--poll-interval",
     default=1.0,
     show_default=True,
     envvar="OUTBOX_RELAY_POLL_INTERVAL",
+    show_envvar=True,
     help="Seconds between polls when no NOTIFY arrives.",
 )
-@click.option("--max-attempts", default=12, show_default=True, envvar="OUTBOX_RELAY_MAX_ATTEMPTS")
-@click.option("--backoff-base", default=0.5, show_default=True, envvar="OUTBOX_RELAY_BACKOFF_BASE")
-@click.option("--backoff-max", default=300.0, show_default=True, envvar="OUTBOX_RELAY_BACKOFF_MAX")
+@click.option(
+    "--max-attempts",
+    default=12,
+    show_default=True,
+    envvar="OUTBOX_RELAY_MAX_ATTEMPTS",
+    show_envvar=True,
+)
+@click.option(
+    "--backoff-base",
+    default=0.5,
+    show_default=True,
+    envvar="OUTBOX_RELAY_BACKOFF_BASE",
+    show_envvar=True,
+)
+@click.option(
+    "--backoff-max",
+    default=300.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_BACKOFF_MAX",
+    show_envvar=True,
+)
 @click.option(
     "--delivery-timeout-ms",
     default=300_000,
     show_default=True,
     envvar="OUTBOX_RELAY_DELIVERY_TIMEOUT_MS",
+    show_envvar=True,
     help="How long Kafka may take to acknowledge one attempt.",
 )
 @click.option(
-    "--lease-seconds", default=360.0, show_default=True, envvar="OUTBOX_RELAY_LEASE_SECONDS"
+    "--lease-seconds",
+    default=360.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_LEASE_SECONDS",
+    show_envvar=True,
 )
 @click.option(
     "--metrics-port",
     type=int,
     default=None,
     envvar="OUTBOX_RELAY_METRICS_PORT",
+    show_envvar=True,
     help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
 )
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option(
-    "--transactional-id-prefix", default=None, envvar="OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX"
+    "--transactional-id-prefix",
+    default=None,
+    envvar="OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX",
+    show_envvar=True,
 )
-@click.option("--progress-topic", default=None, envvar="OUTBOX_RELAY_PROGRESS_TOPIC")
+@click.option(
+    "--progress-topic", default=None, envvar="OUTBOX_RELAY_PROGRESS_TOPIC", show_envvar=True
+)
 @click.option(
     "--delete-on-send",
     is_flag=True,
     envvar="OUTBOX_RELAY_DELETE_ON_SEND",
+    show_envvar=True,
     help="Keep nothing: delete rows once Kafka acknowledged them, instead of marking them sent.",
 )
 @click.option(
@@ -226,9 +264,12 @@ def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
     default=30.0,
     show_default=True,
     envvar="OUTBOX_RELAY_SHUTDOWN_TIMEOUT",
+    show_envvar=True,
     help="Seconds a SIGTERM may wait for the batch in hand.",
 )
-@click.option("--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL")
+@click.option(
+    "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
+)
 def relay(
     database_url: str,
     schema: str,

@@ -10,22 +10,25 @@ import click
 DATABASE_URL = click.option(
     "--database-url",
     envvar="OUTBOX_DATABASE_URL",
+    show_envvar=True,
     required=True,
-    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db [env: OUTBOX_DATABASE_URL]",
+    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db",
 )
 SCHEMA = click.option(
     "--schema",
     envvar="OUTBOX_SCHEMA",
+    show_envvar=True,
     default="public",
     show_default=True,
-    help="Schema of the outbox table [env: OUTBOX_SCHEMA]",
+    help="Schema of the outbox table",
 )
 TABLE = click.option(
     "--table",
     envvar="OUTBOX_TABLE",
+    show_envvar=True,
     default="outbox",
     show_default=True,
-    help="Name of the outbox table [env: OUTBOX_TABLE]",
+    help="Name of the outbox table",
 )
 
 
@@ -33,8 +36,9 @@ def bootstrap_servers_option(*, required: bool) -> Callable[[Any], Any]:
     return click.option(
         "--bootstrap-servers",
         envvar="OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+        show_envvar=True,
         required=required,
-        help="Kafka bootstrap servers [env: OUTBOX_KAFKA_BOOTSTRAP_SERVERS]",
+        help="Kafka bootstrap servers",
     )
 
 

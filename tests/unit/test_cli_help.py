@@ -1,0 +1,64 @@
+"""`outbox relay --help` names the environment variable of every option the docs mention."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from outbox.cli import main
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+# Every option of `outbox relay` that reads an environment variable.
+RELAY_VARIABLES = {
+    "OUTBOX_DATABASE_URL",
+    "OUTBOX_SCHEMA",
+    "OUTBOX_TABLE",
+    "OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+    "OUTBOX_RELAY_MODE",
+    "OUTBOX_RELAY_BATCH_SIZE",
+    "OUTBOX_RELAY_POLL_INTERVAL",
+    "OUTBOX_RELAY_MAX_ATTEMPTS",
+    "OUTBOX_RELAY_BACKOFF_BASE",
+    "OUTBOX_RELAY_BACKOFF_MAX",
+    "OUTBOX_RELAY_DELIVERY_TIMEOUT_MS",
+    "OUTBOX_RELAY_LEASE_SECONDS",
+    "OUTBOX_RELAY_METRICS_PORT",
+    "OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX",
+    "OUTBOX_RELAY_PROGRESS_TOPIC",
+    "OUTBOX_RELAY_DELETE_ON_SEND",
+    "OUTBOX_RELAY_SHUTDOWN_TIMEOUT",
+    "OUTBOX_LOG_LEVEL",
+}
+
+
+def relay_help() -> str:
+    result = CliRunner().invoke(main, ["relay", "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_relay_help_shows_every_environment_variable() -> None:
+    text = relay_help()
+    missing = sorted(name for name in RELAY_VARIABLES if f"env var: {name}" not in text)
+    assert not missing
+
+
+def test_relay_help_shows_every_variable_the_relay_docs_name() -> None:
+    # OUTBOX_KAFKA_<NAME> passes any client setting through; -X's help explains the pattern.
+    documented = set(
+        re.findall(r"OUTBOX_(?:RELAY_[A-Z_]+|[A-Z_]+)", (DOCS / "relay.md").read_text())
+    )
+    relay_options = {
+        name
+        for name in documented
+        if name.startswith("OUTBOX_RELAY_")
+        or name in {"OUTBOX_DATABASE_URL", "OUTBOX_SCHEMA", "OUTBOX_TABLE", "OUTBOX_LOG_LEVEL"}
+        or name == "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"
+    }
+    assert relay_options, "docs/relay.md names no relay variables"
+    text = relay_help()
+    assert not sorted(name for name in relay_options if name not in text)
+    assert "OUTBOX_KAFKA_<NAME>" in text
