@@ -1,4 +1,4 @@
-"""Create the outbox table, its indexes and the commit-time NOTIFY trigger.
+"""Create the outbox table, its indexes and the commit-time NOTIFY rule.
 
 Revision ID: 0001_create_outbox
 Revises:
