@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import threading
 import time
 import uuid
@@ -141,6 +143,9 @@ def test_publish_outside_a_transaction_is_refused(ob: Outbox, engine) -> None:  
         ({"topic": ".."}, outbox.InvalidTopic),
         ({"topic": "t" * 250}, outbox.InvalidTopic),
         ({"value": object()}, outbox.SerializationError),
+        ({"value": {"price": float("nan")}}, outbox.SerializationError),
+        ({"value": {"at": dt.datetime(2026, 1, 2)}}, outbox.SerializationError),
+        ({"value": [decimal.Decimal("Infinity")]}, outbox.SerializationError),
         ({"value": b"x" * 2_000}, outbox.PayloadTooLarge),
         ({"key": 1.5}, outbox.InvalidKey),
         ({"headers": {"h": 5}}, outbox.InvalidHeaders),
@@ -163,6 +168,22 @@ def test_bad_input_fails_before_commit_and_leaves_the_transaction_usable(
         tx.publish("orders", b"still fine")  # the transaction is not poisoned
     assert order_count(engine) == 1
     assert [r.value for r in outbox_rows(engine)] == [b"still fine"]
+
+
+def test_a_value_json_cannot_hold_raises_before_commit_and_leaves_no_row(
+    engine: sa.Engine,
+) -> None:
+    Base.metadata.create_all(engine)
+    ob = Outbox(engine)
+    with pytest.raises(outbox.SerializationError, match="NaN"), ob.transaction() as tx:
+        tx.session.add(Order(id=1, total=1))
+        tx.publish("orders", {"total": decimal.Decimal("1.50")})
+        tx.publish("orders", {"ratio": float("inf")})
+    assert order_count(engine) == 0
+    assert outbox_rows(engine) == []
+    with ob.transaction() as tx:
+        tx.publish("orders", {"total": decimal.Decimal("1.50")})
+    assert [r.value for r in outbox_rows(engine)] == [b'{"total":"1.50"}']
 
 
 def test_one_bad_message_in_a_batch_writes_none(ob: Outbox, engine) -> None:  # type: ignore[no-untyped-def]
