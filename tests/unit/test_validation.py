@@ -40,6 +40,16 @@ def test_keys_become_bytes() -> None:
     assert encode_key(bytearray(b"ab")) == b"ab"
 
 
+def test_key_bytes_are_what_docs_publishing_md_promises() -> None:
+    # Consumers rely on these exact bytes (docs/publishing.md, "What reaches Kafka").
+    assert encode_key(-12) == b"-12"
+    assert encode_key(10**20) == b"100000000000000000000"
+    assert encode_key(7) == encode_key("7") == encode_key(b"7")
+    assert encode_key(uuid.UUID(int=255)) == b"00000000-0000-0000-0000-0000000000ff"
+    assert encode_key("café-7") == b"caf\xc3\xa9-7"
+    assert encode_key(memoryview(b"\x00\x07")) == b"\x00\x07"
+
+
 @pytest.mark.parametrize("key", [1.5, True, ["a"], {"a": 1}, object()])
 def test_other_key_types_are_refused(key: object) -> None:
     with pytest.raises(InvalidKey):
