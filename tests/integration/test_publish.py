@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -56,7 +57,7 @@ def outbox_rows(engine: sa.Engine) -> list[sa.Row]:  # type: ignore[type-arg]
 
 def order_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return conn.execute(sa.text("SELECT count(*) FROM orders")).scalar_one()
+        return int(conn.execute(sa.text("SELECT count(*) FROM orders")).scalar_one())
 
 
 def test_transaction_commits_business_row_and_message_together(ob: Outbox, engine) -> None:  # type: ignore[no-untyped-def]
@@ -154,8 +155,8 @@ def test_publish_outside_a_transaction_is_refused(ob: Outbox, engine) -> None:  
 )
 def test_bad_input_fails_before_commit_and_leaves_the_transaction_usable(
     engine: sa.Engine,
-    kwargs: dict,
-    error: type[Exception],  # type: ignore[type-arg]
+    kwargs: dict[str, Any],
+    error: type[Exception],
 ) -> None:
     Base.metadata.create_all(engine)
     ob = Outbox(engine, max_message_bytes=1_000)
