@@ -15,7 +15,9 @@ How it stays out of the relay's way (no duplicates, no reordering):
    holds its lease*. Rows that failed are released.
 4. **No send left behind.** The producer gets the whole delivery timeout and what Kafka has
    not acknowledged by then is purged from it before the rows are released
-   (:mod:`outbox.sending`): a released row is never still on its way.
+   (:mod:`outbox.sending`): the producer retries nothing of a released row. (Bytes already on
+   the wire may still be written: then the row is on its topic twice once the relay sends it,
+   the duplicate at-least-once allows.)
 5. **Crash.** If the process dies anywhere in between, the rows are still ``pending``; once
    the lease runs out (``lease_seconds``, longer than the producer's delivery timeout) the relay
    sends them. The only duplicate possible is the one at-least-once always allows: Kafka
@@ -95,6 +97,7 @@ class ImmediateSender:
         self.batch_size = batch_size
         self.owner = f"immediate-{uuid.uuid4()}"
         self._producer = Producer(config)
+        self._sending = threading.Lock()
         self._queue: queue.Queue[_QueueItem] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="outbox-immediate", daemon=True)
         self._thread.start()
@@ -126,15 +129,21 @@ class ImmediateSender:
         self.engine.dispose()
 
     def send_now(self, ids: list[uuid.UUID]) -> SendOutcome:
-        """Lease, produce and mark ``ids`` in the calling thread."""
-        outcome = SendOutcome()
-        records = self._lease(ids, outcome)
-        if not records:
+        """Lease, produce and mark ``ids`` in the calling thread.
+
+        One batch at a time: batches of one sender hold their rows under one owner, so the
+        order check cannot see one batch's rows from the other, and a purge at one batch's
+        deadline would cut the other short.
+        """
+        with self._sending:
+            outcome = SendOutcome()
+            records = self._lease(ids, outcome)
+            if not records:
+                return outcome
+            result = BatchResult()
+            produce_batch(self._producer, records, result, self.delivery_timeout_ms / 1000)
+            self._finish(records, result, outcome)
             return outcome
-        result = BatchResult()
-        produce_batch(self._producer, records, result, self.delivery_timeout_ms / 1000)
-        self._finish(records, result, outcome)
-        return outcome
 
     # -- internals -------------------------------------------------------------------------
 

@@ -13,8 +13,10 @@ Two rules keep a key's records in order on its partition whatever happens:
   is acknowledged when the batch ends is a prefix of each partition's records, and what failed
   is the rest. :func:`order_gaps` checks it after every batch, as a tripwire.
 
-After :func:`produce_batch` returns, nothing of the batch is left in the producer: a caller
-may give unacknowledged rows back to other senders without racing its own producer.
+After :func:`produce_batch` returns, the producer no longer retries anything of the batch.
+Bytes already on the wire when it was purged may still be written by the broker: a message
+that failed may be on its topic after all (a duplicate once it is sent again, as at-least-once
+allows), never a gap in what was acknowledged.
 """
 
 from __future__ import annotations
@@ -78,12 +80,17 @@ def produce_batch(
     result: BatchResult,
     timeout: float,
     give_up: Callable[[], bool] = lambda: False,
+    *,
+    purge_in_flight: bool = True,
 ) -> None:
     """Produce ``records`` in order and wait up to ``timeout`` seconds for every report.
 
     At the deadline what is not acknowledged fails with ``_TIMED_OUT`` (a retriable error);
     when ``give_up()`` turns true first (a shutdown that waited long enough) it is reported
     ``not_attempted`` instead, to be released untouched. Either way it is purged first.
+
+    Inside a Kafka transaction pass ``purge_in_flight=False``: requests already sent are left
+    to complete, as librdkafka's own abort does, and the caller aborts the transaction.
     """
     deadline = time.monotonic() + timeout
     pending = 0
@@ -97,7 +104,8 @@ def produce_batch(
         else:
             result.errors[record.id] = error or KafkaError(KafkaError._FAIL, "no offset")
 
-    for record in records:
+    unsent: list[OutboxRecord] = []
+    for position, record in enumerate(records):
         while True:
             try:
                 producer.produce(
@@ -110,24 +118,29 @@ def produce_batch(
                 pending += 1
                 break
             except BufferError:
+                if time.monotonic() >= deadline or give_up():
+                    unsent = list(records[position:])  # the local queue stayed full
+                    break
                 producer.poll(0.05)  # the local queue is full: let deliveries drain it
             except KafkaException as exc:
                 result.errors[record.id] = exc.args[0]
                 break
-    stopping = False
-    while pending > 0:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or give_up():
-            stopping = remaining > 0
+        if unsent:
             break
-        producer.flush(min(1.0, remaining))
+    while pending > 0 and time.monotonic() < deadline and not give_up():
+        producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+    stopping = time.monotonic() < deadline  # left early: a shutdown gave up waiting
     if pending > 0:
-        producer.purge(in_queue=True, in_flight=True)
-        producer.flush(5)  # runs the purged messages' reports
+        producer.purge(in_queue=True, in_flight=purge_in_flight)
+        if purge_in_flight:
+            producer.flush(5)  # runs the purged messages' reports
+        else:
+            producer.poll(0)  # the same; what stays in flight reports later
     purged = [rid for rid, err in result.errors.items() if err.code() in _PURGED]
+    purged.extend(record.id for record in unsent)
     for record_id in purged:
+        result.errors.pop(record_id, None)
         if stopping:
-            del result.errors[record_id]
             result.not_attempted.append(record_id)
         else:
             result.errors[record_id] = KafkaError(

@@ -33,6 +33,7 @@ from relay.ownership import ShardOwnership
 from relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
 from relay.producers import (
     KAFKA_LOG,
+    TRANSACTION_MARGIN_MS,
     AtLeastOncePublisher,
     BatchPublisher,
     ExactlyOncePublisher,
@@ -48,6 +49,8 @@ GAUGE_INTERVAL = 5.0
 MAX_ERROR_PAUSE = 10.0
 #: Seconds a broker has to answer the metadata request that shows Kafka is in reach.
 KAFKA_PROBE_TIMEOUT = 5.0
+#: Seconds before a relay takes back a shard whose producer could not go on.
+LOST_SHARD_HOLD_OFF = 5.0
 
 
 class Relay:
@@ -59,9 +62,14 @@ class Relay:
         self.engine = sender_engine(config.database_url)
         self.store = RelayStore(self.engine, config.spec, self.owner, config.delete_on_send)
         self.metrics = metrics or RelayMetrics()
-        # A batch may wait for Kafka up to the delivery timeout without the loop turning.
+        # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
+        # be resumed until its transaction times out, without the loop turning.
         self.health = HealthState(
-            stale_after=max(30.0, 5 * config.poll_interval, config.delivery_timeout_ms / 1000 + 30)
+            stale_after=max(
+                30.0,
+                5 * config.poll_interval,
+                (config.delivery_timeout_ms + TRANSACTION_MARGIN_MS) / 1000 + 30,
+            )
         )
         self._stop = threading.Event()
         self._stop_requested_at = 0.0
@@ -181,10 +189,12 @@ class Relay:
         self.store.release(result.not_attempted)
         if result.lost_shards:
             # Unlocked, not just forgotten: the advisory lock is re-entrant, so a shard locked
-            # again later while still held would stay locked after the next release.
+            # again later while still held would stay locked after the next release. Not taken
+            # back here for a while: its take-over may block while Kafka is unwell, and another
+            # relay may serve it meanwhile.
             log.warning("letting go of shards %s: their producer cannot go on", result.lost_shards)
             self._publisher.let_go(result.lost_shards)
-            self._ownership.release(result.lost_shards)
+            self._ownership.release(result.lost_shards, hold_off=LOST_SHARD_HOLD_OFF)
         gaps = order_gaps(records, result, lambda error: classify(error) == RETRIABLE)
         if gaps:
             self.metrics.order_gaps.inc(len(gaps))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class ShardOwnership:
     shard_count: int = SHARD_COUNT
     owned: set[int] = field(default_factory=set)
     joined: bool = False
+    _held_off: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._shards_key = lock_space(self.spec, "shard")
@@ -89,7 +91,7 @@ class ShardOwnership:
                 if len(self.owned) >= target:
                     break
                 shard = (start + step) % self.shard_count
-                if shard in self.owned:
+                if shard in self.owned or self._held_off.get(shard, 0.0) > time.monotonic():
                     continue
                 row = self.conn.execute(
                     "SELECT pg_try_advisory_lock(%s, %s)", (self._shards_key, shard)
@@ -109,12 +111,16 @@ class ShardOwnership:
         ).fetchone()
         return self.shard_count - (int(row[0]) if row else 0)
 
-    def release(self, shards: list[int]) -> None:
-        """Unlock ``shards`` now (a take-over that failed: another round will try again)."""
+    def release(self, shards: list[int], hold_off: float = 0.0) -> None:
+        """Unlock ``shards`` now (a take-over that failed, a producer that cannot go on);
+        this relay locks none of them again for ``hold_off`` seconds."""
+        until = time.monotonic() + hold_off
         for shard in shards:
             if shard in self.owned:
                 self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._shards_key, shard))
                 self.owned.discard(shard)
+            if hold_off > 0:
+                self._held_off[shard] = until
 
     def release_all(self) -> list[int]:
         """Unlock every shard (clean shutdown); the connection stays open."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
@@ -123,13 +124,11 @@ class ExactlyOncePublisher:
     ``transactional.id`` is ``<prefix>-<shard>``: the next owner of a shard fences the last.
     """
 
-    #: Seconds each commit_transaction / abort_transaction call may take.
-    commit_timeout = 60.0
-    abort_timeout = 30.0
-    #: A call that timed out is made again (librdkafka requires it: until the same call
-    #: completes, every other transactional call fails) this many times in all, then the
-    #: shard is let go.
-    finish_attempts = 3
+    #: Seconds each commit_transaction / abort_transaction call may take. A call that timed
+    #: out is made again (librdkafka requires it: until the same call completes, every other
+    #: transactional call fails) until the transaction's own timeout would have ended it, or
+    #: a shutdown gives up; then the shard is let go.
+    finish_call_timeout = 10.0
 
     def __init__(
         self,
@@ -233,8 +232,17 @@ class ExactlyOncePublisher:
             producer.begin_transaction()
         except KafkaException as exc:
             return self._lost(shard, records, result, exc.args[0])
+        # After this the coordinator aborts the transaction by itself: no use resuming a call.
+        expires = time.monotonic() + self.transaction_timeout_ms / 1000
         try:
-            produce_batch(producer, records, result, self.delivery_timeout_ms / 1000, self.give_up)
+            produce_batch(
+                producer,
+                records,
+                result,
+                self.delivery_timeout_ms / 1000,
+                self.give_up,
+                purge_in_flight=False,  # the abort below waits for them, as librdkafka's does
+            )
             complete = not result.errors and len(result.acks) == len(records)
             if complete:
                 producer.produce(
@@ -250,7 +258,7 @@ class ExactlyOncePublisher:
             log.warning("exactly-once batch of shard %d failed: %s", shard, error)
             result.errors.clear()  # only the transaction's end says what happened now
             complete = False
-        outcome = self._finish(producer, commit=complete)
+        outcome = self._finish(producer, commit=complete, expires=expires)
         if outcome is Outcome.COMMITTED:
             return result
         if outcome is Outcome.LOST:
@@ -260,14 +268,18 @@ class ExactlyOncePublisher:
         result.not_attempted = [r.id for r in records if r.id not in result.errors]
         return result
 
-    def _finish(self, producer: Producer, commit: bool) -> Outcome:
+    def _finish(self, producer: Producer, commit: bool, expires: float) -> Outcome:
         """Commit (or abort) the open transaction, resuming a call that timed out."""
-        for attempt in range(1, self.finish_attempts + 1):
+        while True:
+            timeout = min(self.finish_call_timeout, expires - time.monotonic())
+            if timeout <= 0:
+                log.warning("transaction not finished before its timeout")
+                return Outcome.LOST
             try:
                 if commit:
-                    producer.commit_transaction(self.commit_timeout)
+                    producer.commit_transaction(timeout)
                     return Outcome.COMMITTED
-                producer.abort_transaction(self.abort_timeout)
+                producer.abort_transaction(timeout)
                 return Outcome.ABORTED
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -280,14 +292,7 @@ class ExactlyOncePublisher:
                 if not error.retriable() or self.give_up():
                     log.warning("transaction not finished: %s", error)
                     return Outcome.LOST
-                log.warning(
-                    "%s timed out (attempt %d of %d): %s",
-                    "commit" if commit else "abort",
-                    attempt,
-                    self.finish_attempts,
-                    error,
-                )
-        return Outcome.LOST
+                log.warning("%s timed out; resuming it: %s", "commit" if commit else "abort", error)
 
     def _lost(
         self,

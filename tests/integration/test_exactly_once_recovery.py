@@ -46,13 +46,15 @@ def publishers(kafka_broker: KafkaBroker) -> Iterator[object]:
     )
     made: list[ExactlyOncePublisher] = []
 
-    def make(bootstrap: str, owner: str = "relay-a") -> ExactlyOncePublisher:
+    def make(
+        bootstrap: str, owner: str = "relay-a", delivery_timeout_ms: int = 10_000
+    ) -> ExactlyOncePublisher:
         publisher = ExactlyOncePublisher(
             {"bootstrap.servers": bootstrap},
             transactional_id_prefix=prefix,
             progress_topic=progress,
             owner=owner,
-            delivery_timeout_ms=10_000,
+            delivery_timeout_ms=delivery_timeout_ms,
         )
         made.append(publisher)
         return publisher
@@ -68,12 +70,12 @@ def stall_at_transaction_end(
     """Stall the network just as the publisher ends its next transaction."""
     finish = publisher._finish
 
-    def stalled(producer: object, commit: bool) -> Outcome:
+    def stalled(producer: object, commit: bool, expires: float) -> Outcome:
         proxy.stall()
         if heal_after is not None:
             threading.Timer(heal_after, proxy.heal).start()
         publisher._finish = finish  # type: ignore[method-assign]
-        return finish(producer, commit)  # type: ignore[arg-type]
+        return finish(producer, commit, expires)  # type: ignore[arg-type]
 
     publisher._finish = stalled  # type: ignore[method-assign]
 
@@ -83,7 +85,7 @@ def test_a_commit_that_timed_out_is_resumed_and_the_shard_goes_on(
 ) -> None:  # type: ignore[no-untyped-def]
     topic = make_topic("resume")
     publisher = publishers(f"127.0.0.1:{faulty_kafka.listen_port}")
-    publisher.commit_timeout = 2.0
+    publisher.finish_call_timeout = 2.0
     publisher.take_over([0])
     batch = records(topic, 30)
     assert len(publisher.publish(batch[:10]).acks) == 10
@@ -101,8 +103,8 @@ def test_a_commit_that_never_answers_gives_the_shard_up_and_a_take_over_settles_
     publishers, faulty_kafka: FaultProxy, kafka_broker: KafkaBroker, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
     topic = make_topic("settle")
-    publisher = publishers(f"127.0.0.1:{faulty_kafka.listen_port}")
-    publisher.commit_timeout = 1.0
+    publisher = publishers(f"127.0.0.1:{faulty_kafka.listen_port}", delivery_timeout_ms=1000)
+    publisher.finish_call_timeout = 1.0
     publisher.take_over([0])
     batch = records(topic, 10)
     stall_at_transaction_end(publisher, faulty_kafka, heal_after=None)

@@ -167,7 +167,7 @@ def test_keep_nothing_mode_deletes_rows_once_acknowledged(
     assert len(consume_messages(bootstrap_servers, topic, expect=5)) == 5
 
 
-def test_rows_released_after_a_send_ran_out_of_time_are_no_longer_on_their_way(
+def test_rows_released_after_a_send_ran_out_of_time_are_no_longer_retried_by_the_sender(
     engine, kafka_broker, faulty_kafka, make_topic, sender
 ) -> None:  # type: ignore[no-untyped-def]
     """The sender waits its whole delivery timeout (here longer than 20 s), then purges what

@@ -117,3 +117,23 @@ def test_a_relay_that_cannot_reach_kafka_takes_no_shards_and_is_not_ready(
             with Outbox(engine).transaction() as tx:
                 tx.publish_many([Message(topic, {"n": n}, key=f"k{n}") for n in range(50)])
             wait_for(lambda: unsent(engine) == 0, 30, "every message sent by the healthy relay")
+
+
+def test_a_shard_let_go_with_a_hold_off_is_not_locked_again_until_it_ends(
+    outbox_url: str,
+) -> None:
+    import psycopg
+
+    from outbox.schema import DEFAULT_SPEC
+    from relay.ownership import ShardOwnership
+
+    url = sa.make_url(outbox_url).set(drivername="postgresql")
+    with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
+        ownership = ShardOwnership(conn, DEFAULT_SPEC, member_number=1)
+        ownership.join()
+        assert len(ownership.rebalance()[0]) == SHARD_COUNT
+        ownership.release([3], hold_off=1.0)
+        assert 3 not in ownership.owned
+        assert ownership.rebalance() == ([], [])  # free, but held off
+        time.sleep(1.1)
+        assert ownership.rebalance() == ([3], [])
