@@ -157,6 +157,11 @@ def _check_kafka(bootstrap_servers: str) -> None:
 @click.option("--stuck-after", default="1h", show_default=True, help="SLA for pending/dead rows.")
 @click.option("--late-after", default="5m", show_default=True, help="SLA from commit to send.")
 @click.option("--repair", is_flag=True, help="Put missing messages back to pending.")
+@click.option(
+    "--repair-despite-skew",
+    is_flag=True,
+    help="Repair even when the clocks look out of step by more than half the grace.",
+)
 @click.option("--runs-table", help="Append a row per run to this Postgres table (JDBC).")
 @click.option(
     "--master",
@@ -186,6 +191,7 @@ def reconcile(
     stuck_after: str,
     late_after: str,
     repair: bool,
+    repair_despite_skew: bool,
     runs_table: str | None,
     master: str | None,
     driver_memory: str,
@@ -196,7 +202,7 @@ def reconcile(
     """Audit the outbox against what landed on the topics; exit 1 when over the limits.
 
     Exit status: 0 every discrepancy class within its limit, 1 some class over it, 2 the job
-    could not run.
+    could not run, 3 --repair was refused because the clocks look out of step.
     """
     from spark_jobs.reconcile import ReconcileConfig
     from spark_jobs.report import parse_thresholds, render
@@ -218,7 +224,8 @@ def reconcile(
             stuck_after=_duration(stuck_after, "--stuck-after"),
             late_after=_duration(late_after, "--late-after"),
             limits=parse_thresholds(limits),
-            repair=repair,
+            repair=repair or repair_despite_skew,
+            repair_despite_skew=repair_despite_skew,
             runs_table=_runs_table(runs_table),
             jdbc_slices=jdbc_slices,
             fetch_size=fetch_size,

@@ -79,7 +79,7 @@ class AuditRules:
     @property
     def checked_until(self) -> datetime:
         """Rows sent before this must be on the topic read."""
-        return min(self.window.read_until, self.as_of)
+        return min(self.window.records_read_until, self.as_of)
 
 
 def id_time(message_id: Column) -> Column:
@@ -194,6 +194,50 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
             F.concat(F.lit("sent "), F.round(took, 3).cast("string"), F.lit("s after commit")),
         ),
     }
+
+
+def clock_skew() -> list[Column]:
+    """Aggregates over matched messages (seconds) that show the clocks disagreeing.
+
+    ``record_ahead_of_sent``: the largest lead of a record's timestamp (the producing host's
+    clock) over its row's ``sent_at`` (the database's clock, set after Kafka acknowledged it),
+    normally below zero. ``record_behind_id``: the smallest lead of a record's timestamp over
+    the time in its id (the writing host's clock, before commit), normally above zero.
+    """
+    o = F.col("o")
+    ahead = F.array_max(
+        F.transform("copies", lambda c: _seconds(c["timestamp"]) - _seconds(o["sent_at"]))
+    )
+    behind = F.array_min(
+        F.transform("copies", lambda c: _seconds(c["timestamp"]) - _seconds(F.col("made_at")))
+    )
+    matched = o.isNotNull() & F.col("copies").isNotNull()
+    return [
+        F.max(F.when(matched & o["sent_at"].isNotNull(), ahead)).alias("record_ahead_of_sent"),
+        F.min(F.when(matched, behind)).alias("record_behind_id"),
+    ]
+
+
+def skew_beyond(
+    record_ahead_of_sent: float | None, record_behind_id: float | None, tolerance: timedelta
+) -> str | None:
+    """Why the clocks disagree by more than ``tolerance``, or None when they do not.
+
+    Records are found by their timestamps near the times of their rows; a clock off by more
+    than the read's grace makes sent messages look missing.
+    """
+    limit = tolerance.total_seconds()
+    if record_ahead_of_sent is not None and record_ahead_of_sent > limit:
+        return (
+            f"records are stamped up to {record_ahead_of_sent:.1f}s after their rows were "
+            f"marked sent (the producing host's clock runs ahead of the database's)"
+        )
+    if record_behind_id is not None and record_behind_id < -limit:
+        return (
+            f"records are stamped up to {-record_behind_id:.1f}s before their messages were "
+            f"made (the producing host's clock runs behind the writers')"
+        )
+    return None
 
 
 def find(matched: DataFrame, rules: AuditRules, classes: Iterable[str] = CLASSES) -> DataFrame:

@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,8 @@ class ReconcileConfig:
     late_after: timedelta = timedelta(minutes=5)
     limits: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(d.CLASSES, 0))
     repair: bool = False
+    #: Repair even when the clocks disagree by more than half the grace (see ``skew_beyond``).
+    repair_despite_skew: bool = False
     runs_table: str | None = None
     jdbc_slices: int = 8
     fetch_size: int = 10_000
@@ -71,6 +73,17 @@ def topics_in_window(engine: sa.Engine, spec: OutboxTableSpec, window: AuditWind
     )
     with engine.connect() as conn:
         return list(conn.execute(query, {"low": low, "high": high}).scalars())
+
+
+def latest_sent(engine: sa.Engine, spec: OutboxTableSpec, window: AuditWindow) -> datetime | None:
+    """When the last message made in the window was marked sent (None when none was)."""
+    low, high = uuid7_floor(window.start), uuid7_floor(window.end)
+    query = sa.text(
+        f'SELECT max(sent_at) FROM "{spec.schema}"."{spec.table}" WHERE id >= :low AND id < :high'
+    )
+    with engine.connect() as conn:
+        latest: datetime | None = conn.execute(query, {"low": low, "high": high}).scalar()
+    return latest
 
 
 def _topic_side(spark: SparkSession, config: ReconcileConfig, topics: Sequence[str]) -> DataFrame:
@@ -99,9 +112,16 @@ def run(
     started = time.monotonic()
     as_of = datetime.now(UTC)
     run_id = f"{config.window.start:%Y%m%d}-{as_of:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-    rules = d.AuditRules(config.window, as_of, config.stuck_after, config.late_after)
     engine = sa.create_engine(config.database_url)
+    window = config.window
     try:
+        # Messages of the window sent after its read ends (late ones, or ones a repair put
+        # back) are judged too: the topic side is read up to their sending, never past now.
+        latest = latest_sent(engine, config.spec, window)
+        if latest is not None and latest + window.grace > window.read_until:
+            window = window.reading_records_until(min(as_of, latest + window.grace))
+            config = replace(config, window=window)
+        rules = d.AuditRules(window, as_of, config.stuck_after, config.late_after)
         topics = list(config.topics)
         if not topics and config.source == "kafka":
             with progress.step("finding the topics in the window"):
@@ -125,6 +145,7 @@ def run(
             scan,
             F.count("o").alias("rows"),
             F.sum(F.when(F.col("copies").isNull(), 0).otherwise(F.size("copies"))).alias("records"),
+            *d.clock_skew(),
         )
         rows_path = str(Path(config.output) / "discrepancies")
         with progress.step(
@@ -138,7 +159,15 @@ def run(
             for row in d.count_by_class_and_topic(found).collect()
         }
         repaired = None
-        if config.repair:
+        skew = d.skew_beyond(
+            scanned.get("record_ahead_of_sent"), scanned.get("record_behind_id"), window.grace / 2
+        )
+        repair_refused = None
+        to_repair = any(name == d.MISSING for name, _topic in counts)
+        if config.repair and skew and to_repair and not config.repair_despite_skew:
+            # What looks missing may be records the read missed: requeuing would duplicate.
+            repair_refused = f"{skew}, more than half the grace ({window.grace})"
+        elif config.repair:
             with progress.step("repair: putting missing messages back to pending"):
                 ids = (
                     row.message_id
@@ -151,7 +180,7 @@ def run(
         engine.dispose()
     summary = RunSummary(
         run_id=run_id,
-        window=config.window,
+        window=window,
         source=_describe_source(config),
         outbox_rows=int(scanned.get("rows") or 0),
         topic_records=int(scanned.get("records") or 0),
@@ -161,6 +190,8 @@ def run(
         output=rows_path,
         repaired=repaired,
         topics=tuple(topics),
+        clock_skew=skew,
+        repair_refused=repair_refused,
     )
     write_summary(summary, Path(config.output) / "summary.json")
     if config.runs_table:

@@ -48,6 +48,10 @@ class RunSummary:
     output: str
     repaired: int | None = None
     topics: tuple[str, ...] = field(default=())
+    #: Why the clocks look out of step (see ``discrepancies.skew_beyond``), or None.
+    clock_skew: str | None = None
+    #: Why ``--repair`` requeued nothing, or None.
+    repair_refused: str | None = None
 
     def per_class(self) -> dict[str, int]:
         totals = dict.fromkeys(CLASSES, 0)
@@ -75,7 +79,10 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        """0 when every class is within its limit, 1 otherwise (so a scheduler alerts)."""
+        """0 when every class is within its limit, 1 otherwise (so a scheduler alerts), 3 when
+        a repair was asked for and refused."""
+        if self.repair_refused:
+            return 3
         return 0 if self.passed else 1
 
     def to_json(self) -> dict[str, Any]:
@@ -96,6 +103,9 @@ class RunSummary:
             "breaches": {k: {"count": c, "limit": m} for k, (c, m) in self.breaches().items()},
             "verdict": "pass" if self.passed else "fail",
             "repaired": self.repaired,
+            "clock_skew": self.clock_skew,
+            "repair_refused": self.repair_refused,
+            "records_read_until": self.window.records_read_until.isoformat(),
             "seconds": round(self.seconds, 3),
             "output": self.output,
         }
@@ -124,9 +134,18 @@ def render(summary: RunSummary) -> str:
         for topic, counts in by_topic.items():
             listed = ", ".join(f"{name} {count:,}" for name, count in counts.items())
             lines.append(f"    {topic}: {listed}")
+    if summary.clock_skew:
+        lines.append("")
+        lines.append(f"  clock skew     {summary.clock_skew}")
     if summary.repaired is not None:
         lines.append("")
         lines.append(f"  repair         {summary.repaired:,} missing messages put back to pending")
+    if summary.repair_refused:
+        lines.append("")
+        lines.append(
+            f"  repair refused {summary.repair_refused}: what looks missing may be records the "
+            "read did not reach; fix the clocks, or widen --grace, or pass --repair-despite-skew"
+        )
     lines.append("")
     lines.append(f"  discrepancy rows: {summary.output}")
     if breaches:

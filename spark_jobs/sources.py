@@ -136,7 +136,7 @@ def read_kafka(
         .option("kafka.isolation.level", "read_committed")
         .option("includeHeaders", "true")
         .option("startingTimestamp", _millis(window.read_from))
-        .option("endingTimestamp", _millis(window.read_until))
+        .option("endingTimestamp", _millis(window.records_read_until))
         # A partition with nothing after the start is read from its end: nothing, not an error.
         .option("startingOffsetsByTimestampStrategy", "latest")
     )
@@ -193,7 +193,7 @@ def normalize_records(raw: DataFrame, window: AuditWindow) -> DataFrame:
     left out.
     """
     in_range = (F.col("timestamp") >= F.lit(window.read_from)) & (
-        F.col("timestamp") < F.lit(window.read_until)
+        F.col("timestamp") < F.lit(window.records_read_until)
     )
     return (
         raw.where(in_range)

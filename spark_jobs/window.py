@@ -9,7 +9,7 @@ before the record was produced, and its record may be produced a little after ``
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, time, timedelta
 from itertools import pairwise
 
@@ -29,6 +29,9 @@ class AuditWindow:
     start: datetime
     end: datetime
     grace: timedelta = timedelta(minutes=15)
+    #: How far the topic side is read, when further than ``read_until`` (see
+    #: :meth:`reading_records_until`); the outbox side is always read by id up to ``read_until``.
+    records_until: datetime | None = None
 
     def __post_init__(self) -> None:
         for name in ("start", "end"):
@@ -59,6 +62,21 @@ class AuditWindow:
     def read_until(self) -> datetime:
         return self.end + self.grace
 
+    @property
+    def records_read_until(self) -> datetime:
+        """Where the topic side's read ends: records with a timestamp before this are read."""
+        return max(self.read_until, self.records_until or self.read_until)
+
+    def reading_records_until(self, moment: datetime) -> AuditWindow:
+        """This window, with the topic side read up to ``moment`` (when that is later).
+
+        Messages of the window may be sent long after it: late, or put back to pending by a
+        repair and sent again. Reading their records too lets the run judge them.
+        """
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return replace(self, records_until=moment)
+
     def id_ranges(self, slices: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
         """``[low, high)`` id bounds splitting the read range into ``slices`` equal spans.
 
@@ -71,4 +89,7 @@ class AuditWindow:
         return [(uuid7_floor(lo), uuid7_floor(hi)) for lo, hi in pairwise(edges)]
 
     def describe(self) -> str:
-        return f"{self.start.isoformat()} .. {self.end.isoformat()} (grace {self.grace})"
+        text = f"{self.start.isoformat()} .. {self.end.isoformat()} (grace {self.grace})"
+        if self.records_read_until > self.read_until:
+            text += f"; records read until {self.records_read_until.isoformat()}"
+        return text

@@ -11,7 +11,7 @@ import pytest
 from outbox.errors import InvalidTopic
 from outbox.ids import uuid7_time_ms
 from outbox.schema import OutboxTableSpec
-from spark_jobs.discrepancies import CLASSES
+from spark_jobs.discrepancies import CLASSES, skew_beyond
 from spark_jobs.report import RunSummary, parse_thresholds, render
 from spark_jobs.sources import outbox_predicates, outbox_query, topic_pattern
 from spark_jobs.window import AuditWindow, uuid7_floor
@@ -118,3 +118,45 @@ def test_verdict_exit_code_and_report() -> None:
     within = summary({("duplicate", "pay"): 3}, {"duplicate": 5})
     assert within.exit_code == 0
     assert render(within).endswith("verdict: PASS (3 discrepancies, all within limits)")
+
+
+def test_the_topic_side_may_be_read_further_than_the_outbox_side() -> None:
+    window = AuditWindow.day(date(2026, 11, 21), timedelta(minutes=15))
+    assert window.records_read_until == window.read_until
+    later = window.reading_records_until(datetime(2026, 11, 23, 3, 0))  # naive: UTC
+    assert later.records_read_until == datetime(2026, 11, 23, 3, 0, tzinfo=UTC)
+    assert later.id_ranges(4) == window.id_ranges(4)  # the outbox is read by id as before
+    assert "records read until 2026-11-23T03:00:00+00:00" in later.describe()
+    # Never shorter than the window's own read.
+    earlier = window.reading_records_until(datetime(2026, 11, 21, 12, 0, tzinfo=UTC))
+    assert earlier.records_read_until == window.read_until
+
+
+def test_clock_skew_beyond_the_tolerance_is_named() -> None:
+    half_grace = timedelta(seconds=30)
+    assert skew_beyond(-0.2, 0.5, half_grace) is None  # normal: stamped before sent, after made
+    assert skew_beyond(None, None, half_grace) is None  # nothing matched
+    ahead = skew_beyond(45.0, 0.5, half_grace)
+    assert ahead and "45.0s after" in ahead and "ahead" in ahead
+    behind = skew_beyond(-0.2, -180.0, half_grace)
+    assert behind and "180.0s before" in behind and "behind" in behind
+
+
+def test_a_refused_repair_has_its_own_exit_code_and_says_why() -> None:
+    window = AuditWindow.day(date(2026, 11, 21))
+    summary = RunSummary(
+        run_id="r",
+        window=window,
+        source="kafka",
+        outbox_rows=10,
+        topic_records=9,
+        counts={("missing", "orders"): 1},
+        limits=dict.fromkeys(CLASSES, 0),
+        seconds=1.0,
+        output="out",
+        clock_skew="records are stamped up to 180.0s before ...",
+        repair_refused="records are stamped up to 180.0s before ..., more than half the grace",
+    )
+    assert summary.exit_code == 3
+    assert summary.to_json()["repair_refused"].startswith("records are stamped")
+    assert "repair refused" in render(summary) and "--repair-despite-skew" in render(summary)
