@@ -34,7 +34,9 @@ def route_through_proxy(kafka: KafkaBroker, proxy: FaultProxy) -> None:
         "advertised.listeners": (
             f"PLAINTEXT://127.0.0.1:{kafka.port},RELAYS://127.0.0.1:{proxy.listen_port}"
         ),
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,RELAYS:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "listener.security.protocol.map": (
+            "PLAINTEXT:PLAINTEXT,RELAYS:PLAINTEXT,CONTROLLER:PLAINTEXT"
+        ),
     }
 
 
