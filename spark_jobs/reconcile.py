@@ -191,6 +191,10 @@ def run(
         repaired=repaired,
         topics=tuple(topics),
         clock_skew=skew,
+        clock_seconds={
+            name: None if scanned.get(name) is None else round(float(scanned[name]), 3)
+            for name in ("record_ahead_of_sent", "record_behind_id")
+        },
         repair_refused=repair_refused,
     )
     write_summary(summary, Path(config.output) / "summary.json")

@@ -50,6 +50,8 @@ class RunSummary:
     topics: tuple[str, ...] = field(default=())
     #: Why the clocks look out of step (see ``discrepancies.skew_beyond``), or None.
     clock_skew: str | None = None
+    #: What the run measured of the clocks (``discrepancies.clock_skew``), in seconds.
+    clock_seconds: Mapping[str, float | None] = field(default_factory=dict)
     #: Why ``--repair`` requeued nothing, or None.
     repair_refused: str | None = None
 
@@ -104,6 +106,7 @@ class RunSummary:
             "verdict": "pass" if self.passed else "fail",
             "repaired": self.repaired,
             "clock_skew": self.clock_skew,
+            "clock_seconds": dict(self.clock_seconds),
             "repair_refused": self.repair_refused,
             "records_read_until": self.window.records_read_until.isoformat(),
             "seconds": round(self.seconds, 3),

@@ -138,6 +138,8 @@ def test_repair_is_refused_when_the_clocks_are_further_apart_than_half_the_grace
     assert missing_ids(spark, refused) == {str(early)}
     assert refused.repair_refused and "behind" in refused.repair_refused
     assert refused.repaired is None and refused.exit_code == 3
+    measured = refused.to_json()["clock_seconds"]
+    assert -185 < measured["record_behind_id"] < -175
     with engine.connect() as conn:
         assert (
             conn.execute(sa.text("SELECT count(*) FROM outbox WHERE status <> 'sent'")).scalar()
