@@ -160,6 +160,11 @@ def kafka_error_of(exc: BaseException) -> KafkaError | None:
             error: KafkaError = seen.args[0]
             return error
         seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, SystemError):
+        # The client failed without saying why ("returned NULL without setting an
+        # exception": seen when its log callback ran while it raised a fatal error, a fence).
+        # Its state is unknown: the producer is done for.
+        return KafkaError(KafkaError._FATAL, f"the Kafka client failed: {exc}", fatal=True)
     return None
 
 

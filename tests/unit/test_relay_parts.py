@@ -8,11 +8,11 @@ import random
 import uuid
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox.errors import ConfigError
 from outbox.records import OutboxRecord
-from outbox.sending import Ack, BatchResult, order_gaps
+from outbox.sending import Ack, BatchResult, kafka_error_of, order_gaps
 from relay.config import RelayConfig, kafka_config_from_env, masked_kafka_config
 from relay.observability import HealthState, JsonFormatter, mask_secrets
 from relay.policy import RETRIABLE, RetryPolicy, classify
@@ -154,3 +154,16 @@ def test_health_turns_bad_when_batches_keep_going_unsent() -> None:
     assert health.stuck and not health.alive
     health.batch_done(progressed=True)
     assert health.alive and not health.stuck
+
+
+def test_a_client_failure_without_a_reason_counts_as_fatal() -> None:
+    """confluent-kafka can raise a bare SystemError from flush() while it raises a fatal
+    error (a fence) and runs a log callback: the producer must then be treated as done for."""
+    bare = SystemError("<method 'flush' of 'cimpl.Producer' objects> returned NULL")
+    error = kafka_error_of(bare)
+    assert error is not None and error.fatal() and error.code() == KafkaError._FATAL
+    fenced = KafkaException(KafkaError(KafkaError._FENCED, "fenced", fatal=True))
+    wrapped = SystemError("flush")
+    wrapped.__cause__ = fenced
+    assert kafka_error_of(wrapped) is fenced.args[0]
+    assert kafka_error_of(ValueError("not Kafka's")) is None
