@@ -1,7 +1,8 @@
 """``outbox reconcile``: the reconciliation job's command line (also its spark-submit entry).
 
-PySpark is imported only when the command runs, so the rest of the ``outbox`` CLI works
-without it.
+``outbox reconcile [options]`` runs an audit; ``outbox reconcile show RUN`` and ``list`` read
+the runs already made (see :mod:`spark_jobs.runs`). PySpark is imported only when an audit
+runs, so the rest of the ``outbox`` CLI, ``show`` and ``list`` work without it.
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from outbox.cli_options import (
-    DATABASE_URL,
     SCHEMA,
     TABLE,
     bootstrap_servers_option,
@@ -27,7 +28,11 @@ from outbox.errors import OutboxError
 from outbox.schema import OutboxTableSpec
 from outbox.validation import validate_identifier
 from relay.observability import mask_secrets as redact
-from spark_jobs.window import AuditWindow  # plain Python: PySpark loads only when the job runs
+
+# Plain Python: PySpark loads only when the job runs.
+from spark_jobs import runs
+from spark_jobs.classes import CLASSES
+from spark_jobs.window import AuditWindow, parse_window
 
 if TYPE_CHECKING:
     from spark_jobs.reconcile import ReconcileConfig
@@ -49,31 +54,21 @@ def _duration(value: str, option: str) -> timedelta:
         raise click.BadParameter(str(exc), param_hint=option) from exc
 
 
-def _moment(value: str, option: str) -> datetime:
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise click.BadParameter(
-            f"{value!r} is not an ISO date-time like 2026-11-21T00:00:00Z", param_hint=option
-        ) from exc
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 def build_window(
-    day: str | None, start: str | None, end: str | None, grace: timedelta
+    day: str | None,
+    start: str | None,
+    end: str | None,
+    grace: timedelta,
+    since: str | None = None,
+    now: datetime | None = None,
 ) -> AuditWindow:
-    if day and (start or end):
-        raise click.UsageError("give either --date or --start/--end, not both")
+    """The window the options name; a bad one is a one-line error (exit 2)."""
     try:
-        if day:
-            return AuditWindow.day(date.fromisoformat(day), grace)
-        if start or end:
-            if not (start and end):
-                raise click.UsageError("--start and --end go together")
-            return AuditWindow(_moment(start, "--start"), _moment(end, "--end"), grace)
-        return AuditWindow.yesterday(datetime.now(UTC), grace)
+        return parse_window(
+            day=day, start=start, end=end, since=since, grace=grace, now=now or datetime.now(UTC)
+        )
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        raise JobError(str(exc)) from None
 
 
 def _runs_table(name: str | None) -> str | None:
@@ -118,14 +113,39 @@ def _check_kafka(bootstrap_servers: str) -> None:
         raise JobError(f"cannot reach Kafka at {bootstrap_servers}: {exc.args[0].str()}") from None
 
 
-@click.command("reconcile")
-@DATABASE_URL
+#: The base directory of the runs, for the audit and for ``show`` and ``list``.
+OUTPUT = click.option(
+    "--output",
+    envvar="OUTBOX_RECONCILE_OUTPUT",
+    show_envvar=True,
+    default=runs.DEFAULT_BASE,
+    show_default=True,
+    help="Base directory: each run writes to BASE/<window>/<UTC start>-<random>.",
+)
+
+
+@click.group("reconcile", invoke_without_command=True)
+@click.option(
+    "--database-url",
+    envvar="OUTBOX_DATABASE_URL",
+    show_envvar=True,
+    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db (needed to audit).",
+)
 @SCHEMA
 @TABLE
-@click.option("--topic", "topics", multiple=True, help="Audit only these topics (repeatable).")
-@click.option("--date", "day", help="Audit this UTC day, YYYY-MM-DD [default: yesterday].")
-@click.option("--start", help="Window start, ISO date-time (UTC unless it says otherwise).")
-@click.option("--end", help="Window end (exclusive).")
+@click.option(
+    "--topic",
+    "topics",
+    multiple=True,
+    help="Audit only these topics (repeatable) [default: those with rows in the window, and "
+    "those earlier runs under --output audited].",
+)
+@click.option(
+    "--date", "day", help="Audit this UTC day: YYYY-MM-DD, today or yesterday [default: yesterday]."
+)
+@click.option("--since", help="Audit the last 30m, 1h, 2d, ... up to --end (default: now).")
+@click.option("--start", help="Window start: ISO date-time (UTC unless it says otherwise), or now.")
+@click.option("--end", help="Window end (exclusive): ISO date-time, or now.")
 @click.option("--grace", default="15m", show_default=True, help="Slack read at both edges.")
 @click.option(
     "--source",
@@ -143,10 +163,7 @@ def _check_kafka(bootstrap_servers: str) -> None:
 @click.option(
     "--archive-format", type=click.Choice(["parquet", "json"]), default="parquet", show_default=True
 )
-@click.option(
-    "--output",
-    help="Directory for the discrepancy rows and summary.json [default: reconciliation/<run>].",
-)
+@OUTPUT
 @click.option(
     "--max",
     "limits",
@@ -172,12 +189,15 @@ def _check_kafka(bootstrap_servers: str) -> None:
 @click.option("--jdbc-slices", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--fetch-size", default=10_000, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="End with the summary as one JSON line.")
+@click.pass_context
 def reconcile(
-    database_url: str,
+    ctx: click.Context,
+    database_url: str | None,
     schema: str,
     table: str,
     topics: tuple[str, ...],
     day: str | None,
+    since: str | None,
     start: str | None,
     end: str | None,
     grace: str,
@@ -186,7 +206,7 @@ def reconcile(
     kafka_settings: tuple[str, ...],
     archive_path: str | None,
     archive_format: str,
-    output: str | None,
+    output: str,
     limits: tuple[str, ...],
     stuck_after: str,
     late_after: str,
@@ -201,21 +221,33 @@ def reconcile(
 ) -> None:
     """Audit the outbox against what landed on the topics; exit 1 when over the limits.
 
+    Each run writes its summary.json and discrepancy rows to a directory of its own under
+    --output and prints it; `outbox reconcile show RUN` lists the discrepant messages and
+    `outbox reconcile list` the runs.
+
     Exit status: 0 every discrepancy class within its limit, 1 some class over it, 2 the job
     could not run, 3 --repair was refused because the clocks look out of step.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     from spark_jobs.reconcile import ReconcileConfig
     from spark_jobs.report import parse_thresholds, render
 
-    window = build_window(day, start, end, _duration(grace, "--grace"))
+    if not database_url:
+        raise click.UsageError("Missing option '--database-url' (or OUTBOX_DATABASE_URL).")
+    started = datetime.now(UTC)
+    window = build_window(day, start, end, _duration(grace, "--grace"), since, started)
+    run_id = runs.new_run_id(window, started)
     try:
         spec = OutboxTableSpec(schema=schema, table=table)
         config = ReconcileConfig(
             database_url=database_url,
             window=window,
-            output=output or f"reconciliation/{window.start:%Y-%m-%d}",
+            output=runs.run_dir(output, run_id),
+            run_id=run_id,
             spec=spec,
             topics=topics,
+            also_topics=_earlier_topics(output, spec) if not topics else (),
             source=source,
             bootstrap_servers=bootstrap_servers,
             kafka_options=parse_key_values(kafka_settings),
@@ -239,11 +271,89 @@ def reconcile(
         assert bootstrap_servers is not None
         _check_kafka(bootstrap_servers)
 
+    click.echo(f"run {run_id}: writing to {config.output}", err=True)
     summary = run_on_spark(config, master, driver_memory)
     click.echo(render(summary))
     if as_json:
         click.echo(json.dumps(summary.to_json()))
     sys.exit(summary.exit_code)
+
+
+def _earlier_topics(base: str, spec: OutboxTableSpec) -> tuple[str, ...]:
+    """Topics earlier runs under ``base`` audited (a local base only; none for a URI)."""
+    if "://" in base:
+        return ()
+    return tuple(runs.earlier_topics(Path(base), spec.qualified_name))
+
+
+def _find_run(name: str, base: str) -> runs.Run:
+    try:
+        return runs.find_run(name, Path(base))
+    except runs.RunNotFound as exc:
+        raise JobError(str(exc)) from None
+
+
+@reconcile.command("show")
+@click.argument("run", metavar="RUN")
+@OUTPUT
+@click.option(
+    "--class",
+    "classes",
+    multiple=True,
+    type=click.Choice(CLASSES),
+    help="Only this class (repeatable) [default: every class with discrepancies].",
+)
+@click.option(
+    "--limit",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Messages listed per class; 0 lists all.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
+def show(run: str, output: str, classes: tuple[str, ...], limit: int, as_json: bool) -> None:
+    """The discrepant messages of a run: counts and ids per class.
+
+    RUN is a run's directory, its id under --output (as `outbox reconcile list` prints it), or
+    `latest`. Reads the files the run wrote; needs neither Spark nor the database.
+    """
+    found = _find_run(run, output)
+    counts = found.counts()
+    wanted = list(classes) or [name for name in CLASSES if counts[name]]
+    try:
+        rows = found.rows_by_class(wanted, limit or None)
+    except runs.RunNotFound as exc:
+        raise JobError(str(exc)) from None
+    if as_json:
+        body = {
+            "run_id": found.run_id,
+            "run_dir": str(found.path),
+            "window": found.summary.get("window"),
+            "topics": found.summary.get("topics"),
+            "verdict": found.summary.get("verdict"),
+            "counts": counts,
+            "discrepancies": rows,
+        }
+        click.echo(json.dumps(body))
+    else:
+        click.echo(runs.render_run(found, rows, limit or None))
+
+
+@reconcile.command("list")
+@OUTPUT
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0),
+              help="Runs listed; 0 lists all.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line per run.")
+def list_(output: str, limit: int, as_json: bool) -> None:
+    """The runs under --output, newest first, with their verdicts and counts."""
+    found = runs.list_runs(Path(output))[: limit or None]
+    if as_json:
+        for run in found:
+            click.echo(json.dumps(dict(run.summary)))
+    elif found:
+        click.echo(runs.render_runs(found))
+    else:
+        click.echo(f"no runs under {output}")
 
 
 def run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str) -> RunSummary:

@@ -21,6 +21,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
+from spark_jobs import classes
 from spark_jobs.window import AuditWindow
 
 #: The outbox side, as read over JDBC: one row per outbox message.
@@ -43,6 +44,13 @@ TOPIC_SCHEMA = (
     "value_hash string, timestamp timestamp"
 )
 
+# The class names live in a module without PySpark (for the report and ``show``); they are
+# part of this module's API too.
+CLASSES = classes.CLASSES
+MISSING, DUPLICATE, PHANTOM = classes.MISSING, classes.DUPLICATE, classes.PHANTOM
+PAYLOAD_MISMATCH, MISROUTED = classes.PAYLOAD_MISMATCH, classes.MISROUTED
+OFFSET_MISMATCH, STUCK, LATE = classes.OFFSET_MISMATCH, classes.STUCK, classes.LATE
+
 DISCREPANCY_SCHEMA = StructType(
     [
         StructField("class", StringType(), True),
@@ -52,11 +60,6 @@ DISCREPANCY_SCHEMA = StructType(
         StructField("detail", StringType(), True),
     ]
 )
-
-MISSING, DUPLICATE, PHANTOM = "missing", "duplicate", "phantom"
-PAYLOAD_MISMATCH, MISROUTED, OFFSET_MISMATCH = "payload_mismatch", "misrouted", "offset_mismatch"
-STUCK, LATE = "stuck", "late"
-CLASSES = (MISSING, DUPLICATE, PHANTOM, PAYLOAD_MISMATCH, MISROUTED, OFFSET_MISMATCH, STUCK, LATE)
 
 
 @dataclass(frozen=True)

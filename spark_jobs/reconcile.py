@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -26,19 +25,29 @@ from spark_jobs.jdbc import jdbc_options
 from spark_jobs.progress import Progress
 from spark_jobs.repair import requeue_missing
 from spark_jobs.report import RunSummary
+from spark_jobs.runs import ROWS, ROWS_JSON, SUMMARY, new_run_id
 from spark_jobs.sources import normalize_records, read_archive, read_kafka, read_outbox
 from spark_jobs.window import AuditWindow, uuid7_floor
 
 
 @dataclass(frozen=True)
 class ReconcileConfig:
-    """Everything one run needs; the CLI builds it from options."""
+    """Everything one run needs; the CLI builds it from options.
+
+    ``output`` is the run's own directory (the CLI makes it ``<base>/<run_id>``, see
+    :mod:`spark_jobs.runs`).
+    """
 
     database_url: str
     window: AuditWindow
     output: str
     spec: OutboxTableSpec = field(default_factory=OutboxTableSpec)
+    #: Audit exactly these topics; when empty, the topics with rows in the window and
+    #: ``also_topics``.
     topics: tuple[str, ...] = ()
+    #: Topics read even when none of their rows is in the window (the CLI passes those that
+    #: earlier runs audited, so a topic whose rows were all purged stays audited).
+    also_topics: tuple[str, ...] = ()
     source: str = "kafka"
     bootstrap_servers: str | None = None
     kafka_options: Mapping[str, str] = field(default_factory=dict)
@@ -53,6 +62,8 @@ class ReconcileConfig:
     runs_table: str | None = None
     jdbc_slices: int = 8
     fetch_size: int = 10_000
+    #: The run's id; a new one (see :func:`spark_jobs.runs.new_run_id`) when None.
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.source == "kafka" and not self.bootstrap_servers:
@@ -104,6 +115,14 @@ def _describe_source(config: ReconcileConfig) -> str:
     return f"archive {config.archive_path} ({config.archive_format})"
 
 
+def _topic_scope(config: ReconcileConfig) -> str:
+    if config.topics:
+        return "the topics given"
+    if config.source == "archive":
+        return "every topic in the archive"
+    return "the topics with rows in the window, and those earlier runs audited"
+
+
 def run(
     spark: SparkSession, config: ReconcileConfig, progress: Progress | None = None
 ) -> RunSummary:
@@ -111,7 +130,7 @@ def run(
     progress = progress or Progress(spark.sparkContext)
     started = time.monotonic()
     as_of = datetime.now(UTC)
-    run_id = f"{config.window.start:%Y%m%d}-{as_of:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+    run_id = config.run_id or new_run_id(config.window, as_of)
     engine = sa.create_engine(config.database_url)
     window = config.window
     try:
@@ -123,9 +142,12 @@ def run(
             config = replace(config, window=window)
         rules = d.AuditRules(window, as_of, config.stuck_after, config.late_after)
         topics = list(config.topics)
+        without_rows: list[str] = []
         if not topics and config.source == "kafka":
             with progress.step("finding the topics in the window"):
                 topics = topics_in_window(engine, config.spec, config.window)
+            without_rows = sorted(set(config.also_topics) - set(topics))
+            topics = sorted({*topics, *without_rows})
         outbox = read_outbox(
             spark,
             config.database_url,
@@ -147,13 +169,17 @@ def run(
             F.sum(F.when(F.col("copies").isNull(), 0).otherwise(F.size("copies"))).alias("records"),
             *d.clock_skew(),
         )
-        rows_path = str(Path(config.output) / "discrepancies")
+        rows_path = str(Path(config.output) / ROWS)
         with progress.step(
             f"reading the outbox and the topics, matching by message id, writing {rows_path}"
         ):
             d.find(matched, rules).write.mode("overwrite").parquet(rows_path)
         scanned = scan.get
         found = spark.read.parquet(rows_path)
+        # The same rows as JSON lines, for reading without Spark (``outbox reconcile show``).
+        found.orderBy("class", "message_id").write.mode("overwrite").json(
+            str(Path(config.output) / ROWS_JSON)
+        )
         counts = {
             (row["class"], row["topic"] or "?"): int(row["count"])
             for row in d.count_by_class_and_topic(found).collect()
@@ -190,6 +216,11 @@ def run(
         output=rows_path,
         repaired=repaired,
         topics=tuple(topics),
+        topics_without_rows=tuple(without_rows),
+        topic_scope=_topic_scope(config),
+        run_dir=config.output,
+        started_at=as_of,
+        table=config.spec.qualified_name,
         clock_skew=skew,
         clock_seconds={
             name: None if scanned.get(name) is None else round(float(scanned[name]), 3)
@@ -197,7 +228,7 @@ def run(
         },
         repair_refused=repair_refused,
     )
-    write_summary(summary, Path(config.output) / "summary.json")
+    write_summary(summary, Path(config.output) / SUMMARY)
     if config.runs_table:
         record_run(spark, config, summary, as_of)
     return summary

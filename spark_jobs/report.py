@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-from spark_jobs.discrepancies import CLASSES
+from spark_jobs.classes import CLASSES
 from spark_jobs.window import AuditWindow
 
 
@@ -54,6 +55,15 @@ class RunSummary:
     clock_seconds: Mapping[str, float | None] = field(default_factory=dict)
     #: Why ``--repair`` requeued nothing, or None.
     repair_refused: str | None = None
+    #: Topics read although none of their rows is in the window (earlier runs audited them).
+    topics_without_rows: tuple[str, ...] = field(default=())
+    #: Which topics were audited, in words (``topics`` lists them).
+    topic_scope: str = ""
+    #: The run's directory (``output`` is its discrepancy rows).
+    run_dir: str = ""
+    started_at: datetime | None = None
+    #: The outbox table audited, ``schema.table``.
+    table: str = ""
 
     def per_class(self) -> dict[str, int]:
         totals = dict.fromkeys(CLASSES, 0)
@@ -90,6 +100,9 @@ class RunSummary:
     def to_json(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "run_dir": self.run_dir,
+            "started_at": self.started_at.isoformat() if self.started_at else None,
+            "table": self.table,
             "window": {
                 "start": self.window.start.isoformat(),
                 "end": self.window.end.isoformat(),
@@ -97,6 +110,8 @@ class RunSummary:
             },
             "source": self.source,
             "topics": list(self.topics),
+            "topic_scope": self.topic_scope,
+            "topics_without_rows": list(self.topics_without_rows),
             "outbox_rows": self.outbox_rows,
             "topic_records": self.topic_records,
             "discrepancies": self.per_class(),
@@ -120,6 +135,7 @@ def render(summary: RunSummary) -> str:
         f"reconciliation {summary.run_id}",
         f"  window         {summary.window.describe()}",
         f"  source         {summary.source}",
+        f"  topics         {_topics(summary)}",
         f"  outbox rows    {summary.outbox_rows:,}",
         f"  topic records  {summary.topic_records:,}",
         f"  run time       {summary.seconds:.1f}s",
@@ -150,7 +166,11 @@ def render(summary: RunSummary) -> str:
             "read did not reach; fix the clocks, or widen --grace, or pass --repair-despite-skew"
         )
     lines.append("")
-    lines.append(f"  discrepancy rows: {summary.output}")
+    if summary.run_dir:
+        lines.append(f"  run directory  {summary.run_dir}")
+        lines.append(f"  the ids        outbox reconcile show {summary.run_dir}")
+    else:
+        lines.append(f"  discrepancy rows: {summary.output}")
     if breaches:
         listed = ", ".join(f"{n} {c:,} > {m:,}" for n, (c, m) in breaches.items())
         lines.append(f"verdict: FAIL ({listed})")
@@ -158,3 +178,19 @@ def render(summary: RunSummary) -> str:
         total = sum(summary.per_class().values())
         lines.append(f"verdict: PASS ({total:,} discrepancies, all within limits)")
     return "\n".join(lines)
+
+
+def _topics(summary: RunSummary, shown: int = 6) -> str:
+    """``2: orders, payments`` (the first few by name), then why these."""
+    if not summary.topics:
+        return summary.topic_scope or "-"
+    names = ", ".join(summary.topics[:shown])
+    if len(summary.topics) > shown:
+        names += f", ... ({len(summary.topics) - shown} more in summary.json)"
+    text = f"{len(summary.topics)}: {names}"
+    if summary.topics_without_rows:
+        text += (
+            f"; {len(summary.topics_without_rows)} without rows in the window, audited as "
+            f"earlier runs did: {', '.join(summary.topics_without_rows[:shown])}"
+        )
+    return text

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, time, timedelta
 from itertools import pairwise
 
+from outbox.durations import parse_duration
+
 
 def uuid7_floor(moment: datetime) -> uuid.UUID:
     """The smallest UUIDv7 made at ``moment`` (ids compare bytewise, so by time first)."""
@@ -88,8 +90,86 @@ class AuditWindow:
         edges = [self.read_from + span * i for i in range(slices)] + [self.read_until]
         return [(uuid7_floor(lo), uuid7_floor(hi)) for lo, hi in pairwise(edges)]
 
+    @property
+    def is_day(self) -> bool:
+        """Whether the window is one whole UTC day."""
+        return self.start.astimezone(UTC).time() == time(0) and self.end - self.start == timedelta(
+            days=1
+        )
+
+    def label(self) -> str:
+        """A name for the window that sorts by time and is safe in any path: ``2026-11-21`` for a
+        UTC day, ``20261121T100000Z-20261121T110000Z`` for any other span."""
+        if self.is_day:
+            return f"{self.start.astimezone(UTC):%Y-%m-%d}"
+        return "-".join(f"{m.astimezone(UTC):%Y%m%dT%H%M%SZ}" for m in (self.start, self.end))
+
     def describe(self) -> str:
         text = f"{self.start.isoformat()} .. {self.end.isoformat()} (grace {self.grace})"
         if self.records_read_until > self.read_until:
             text += f"; records read until {self.records_read_until.isoformat()}"
         return text
+
+
+def parse_window(
+    *,
+    day: str | None = None,
+    start: str | None = None,
+    end: str | None = None,
+    since: str | None = None,
+    grace: timedelta = timedelta(minutes=15),
+    now: datetime,
+) -> AuditWindow:
+    """The window the command-line options name; ValueError with a one-line reason otherwise.
+
+    ``day``: ``YYYY-MM-DD``, ``today`` or ``yesterday`` (UTC). ``since``: a duration (``30m``,
+    ``1h``, ``2d``) up to ``end``, or up to now. ``start``/``end``: ISO date-times (UTC unless
+    they say otherwise) or ``now``. None of them: yesterday.
+    """
+    if day is not None and (start or end or since):
+        raise ValueError("give either --date, or --start/--end, or --since, not several")
+    if since is not None and start:
+        raise ValueError("give either --since or --start, not both")
+    if day is not None:
+        return AuditWindow.day(_day(day, now), grace)
+    if since is not None:
+        try:
+            span = parse_duration(since)
+        except ValueError:
+            raise ValueError(
+                f"--since: {since!r} is not a duration like 30m, 1h, 2d or 1w"
+            ) from None
+        if span <= timedelta(0):
+            raise ValueError("--since: the window must be longer than 0")
+        until = _moment(end, "--end", now) if end else now
+        return AuditWindow(until - span, until, grace)
+    if start or end:
+        if not (start and end):
+            raise ValueError("--start and --end go together (or use --since with --end)")
+        return AuditWindow(_moment(start, "--start", now), _moment(end, "--end", now), grace)
+    return AuditWindow.yesterday(now, grace)
+
+
+def _day(text: str, now: datetime) -> date:
+    today = now.astimezone(UTC).date()
+    named = {"today": today, "yesterday": today - timedelta(days=1)}
+    if text.strip().lower() in named:
+        return named[text.strip().lower()]
+    try:
+        return date.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"--date: {text!r} is not a day: give YYYY-MM-DD, today or yesterday (UTC)"
+        ) from None
+
+
+def _moment(text: str, option: str, now: datetime) -> datetime:
+    if text.strip().lower() == "now":
+        return now
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"{option}: {text!r} is not a date-time like 2026-11-21T08:00:00Z, a date, or now"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

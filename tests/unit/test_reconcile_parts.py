@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, date, datetime, timedelta
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
 from outbox.errors import InvalidTopic
 from outbox.ids import uuid7_time_ms
 from outbox.schema import OutboxTableSpec
-from spark_jobs.discrepancies import CLASSES, skew_beyond
+from spark_jobs.classes import CLASSES
+from spark_jobs.discrepancies import skew_beyond
 from spark_jobs.report import RunSummary, parse_thresholds, render
+from spark_jobs.runs import (
+    RunNotFound,
+    earlier_topics,
+    find_run,
+    list_runs,
+    new_run_id,
+    render_run,
+    render_runs,
+    run_dir,
+)
 from spark_jobs.sources import outbox_predicates, outbox_query, topic_pattern
-from spark_jobs.window import AuditWindow, uuid7_floor
+from spark_jobs.window import AuditWindow, parse_window, uuid7_floor
 
 DAY = AuditWindow.day(date(2026, 11, 21), grace=timedelta(minutes=10))
 
@@ -160,3 +173,135 @@ def test_a_refused_repair_has_its_own_exit_code_and_says_why() -> None:
     assert summary.exit_code == 3
     assert summary.to_json()["repair_refused"].startswith("records are stamped")
     assert "repair refused" in render(summary) and "--repair-despite-skew" in render(summary)
+
+
+NOW = datetime(2026, 11, 23, 10, 30, tzinfo=UTC)
+
+
+def window_of(**options: str) -> AuditWindow:
+    return parse_window(grace=timedelta(minutes=15), now=NOW, **options)
+
+
+def test_windows_by_name_duration_and_now() -> None:
+    assert window_of() == AuditWindow.day(date(2026, 11, 22))  # yesterday by default
+    assert window_of(day="today") == AuditWindow.day(date(2026, 11, 23))
+    assert window_of(day="Yesterday") == AuditWindow.day(date(2026, 11, 22))
+    assert window_of(day="2026-11-01") == AuditWindow.day(date(2026, 11, 1))
+    since = window_of(since="1h")
+    assert (since.start, since.end) == (NOW - timedelta(hours=1), NOW)
+    assert window_of(since="30m").start == NOW - timedelta(minutes=30)
+    assert window_of(since="2d").start == NOW - timedelta(days=2)
+    until = window_of(since="1h", end="2026-11-23T08:00:00Z")
+    assert (until.start, until.end) == (datetime(2026, 11, 23, 7, tzinfo=UTC), until.end)
+    to_now = window_of(start="2026-11-23T09:00", end="now")  # naive: UTC
+    assert (to_now.start, to_now.end) == (datetime(2026, 11, 23, 9, tzinfo=UTC), NOW)
+    zoned = window_of(start="2026-11-23T12:00:00+02:00", end="now")
+    assert zoned.start == datetime(2026, 11, 23, 10, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"day": "tomorow"}, "--date: 'tomorow' is not a day: give YYYY-MM-DD, today or"),
+        ({"day": "2026-11-31"}, "--date: '2026-11-31' is not a day"),
+        ({"since": "1 hour"}, "--since: '1 hour' is not a duration like 30m, 1h, 2d or 1w"),
+        ({"since": "0m"}, "--since: the window must be longer than 0"),
+        ({"start": "yesterday 10am", "end": "now"}, "--start: 'yesterday 10am' is not a date"),
+        ({"start": "2026-11-23T09:00"}, "--start and --end go together"),
+        ({"end": "now"}, "--start and --end go together"),
+        ({"day": "today", "since": "1h"}, "give either --date, or --start/--end, or --since"),
+        ({"since": "1h", "start": "now"}, "give either --since or --start"),
+        ({"start": "now", "end": "2026-11-23T09:00"}, "before it starts"),
+    ],
+)
+def test_bad_windows_say_why_in_one_line(options: dict[str, str], reason: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        window_of(**options)
+    assert reason in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_cli_turns_a_bad_window_into_one_error_line_and_exit_2() -> None:
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+
+    for args in (["--date", "tomorow"], ["--start", "2026-11-21 8h", "--end", "now"]):
+        result = CliRunner().invoke(
+            main, ["reconcile", "--database-url", "postgresql://x/y", *args]
+        )
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("Error: --") and len(result.output.splitlines()) == 1
+        assert "isoformat" not in result.output
+
+
+def test_window_labels_name_a_day_or_a_span() -> None:
+    assert AuditWindow.day(date(2026, 11, 21)).label() == "2026-11-21"
+    span = AuditWindow(datetime(2026, 11, 21, 10, tzinfo=UTC), datetime(2026, 11, 21, 11, 0, 5))
+    assert span.label() == "20261121T100000Z-20261121T110005Z"
+
+
+def test_every_run_gets_its_own_directory() -> None:
+    window = AuditWindow.day(date(2026, 11, 21))
+    first, second = (new_run_id(window, NOW) for _ in range(2))
+    assert first != second
+    assert first.startswith("2026-11-21/20261123T103000Z-") and len(first.split("-")[-1]) == 6
+    assert run_dir("reconciliation", first) == f"reconciliation/{first}"
+    assert run_dir("s3a://audit/outbox/", first) == f"s3a://audit/outbox/{first}"
+
+
+def write_run(
+    base: Path, run_id: str, started: str, rows: list[dict[str, str]], **extra: object
+) -> Path:
+    """A run directory as the job writes it (summary.json and the rows as JSON lines)."""
+    path = base / run_id
+    (path / "discrepancies-json").mkdir(parents=True)
+    counts = dict.fromkeys(CLASSES, 0)
+    for row in rows:
+        counts[row["class"]] += 1
+    summary = {
+        "run_id": run_id,
+        "started_at": started,
+        "table": "public.outbox",
+        "window": {"start": "2026-11-21T00:00:00+00:00", "end": "2026-11-22T00:00:00+00:00"},
+        "topics": ["orders"],
+        "discrepancies": counts,
+        "verdict": "fail" if rows else "pass",
+        **extra,
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+    half = len(rows) // 2
+    for n, part in enumerate((rows[:half], rows[half:])):
+        lines = "".join(json.dumps(row) + "\n" for row in part)
+        (path / "discrepancies-json" / f"part-0000{n}-x.json").write_text(lines)
+    return path
+
+
+def test_runs_are_listed_newest_first_and_shown_by_class(tmp_path: Path) -> None:
+    ghosts = [{"class": "phantom", "message_id": f"ghost-{n}", "topic": "orders"} for n in range(5)]
+    lost = {"class": "missing", "message_id": "lost-1", "topic": "orders", "detail": "sent"}
+    write_run(tmp_path, "2026-11-21/20261122T031500Z-aaaaaa", "2026-11-22T03:15:00+00:00", [])
+    write_run(
+        tmp_path, "2026-11-21/20261122T091500Z-bbbbbb", "2026-11-22T09:15:00+00:00",
+        [lost, *ghosts], topics=["orders", "refunds"],
+    )  # fmt: skip
+    listed = list_runs(tmp_path)
+    assert [run.run_id for run in listed] == [
+        "2026-11-21/20261122T091500Z-bbbbbb",
+        "2026-11-21/20261122T031500Z-aaaaaa",
+    ]
+    table = render_runs(listed)
+    assert "FAIL     missing 1, phantom 5" in table and "PASS     0" in table
+    assert earlier_topics(tmp_path, "public.outbox") == ["orders", "refunds"]
+    assert earlier_topics(tmp_path, "shop.events") == []
+    assert earlier_topics(tmp_path / "none-yet", "public.outbox") == []
+
+    latest = find_run("latest", tmp_path)
+    assert find_run("2026-11-21/20261122T091500Z-bbbbbb", tmp_path) == latest
+    assert find_run(str(latest.path), Path("elsewhere")) == latest
+    with pytest.raises(RunNotFound, match="no run 'nope'"):
+        find_run("nope", tmp_path)
+    rows = latest.rows_by_class(["phantom", "missing"], limit=3)
+    assert [r["message_id"] for r in rows["phantom"]] == ["ghost-0", "ghost-1", "ghost-2"]
+    text = render_run(latest, rows, 3)
+    assert "phantom: 5\n  ghost-0  orders  -  -" in text and "... 2 more" in text
+    assert "missing: 1\n  lost-1  orders  -  sent" in text
