@@ -270,8 +270,8 @@ class Outbox:
 
         Keys already stored are looked up first; the insert runs in a savepoint, so that a
         concurrent transaction committing the same key meanwhile costs a retry of this step,
-        never the caller's transaction. (ON CONFLICT cannot be used: the table's NOTIFY rule
-        forbids it.)
+        never the caller's transaction. (Not ON CONFLICT: a table still at revision 0002 has a
+        NOTIFY rule, and rules forbid it.)
         """
         first: dict[str, EncodedMessage] = {}
         for message in encoded:

@@ -62,7 +62,31 @@ class OutboxTableSpec:
 
     @property
     def notify_rule(self) -> str:
+        """The NOTIFY rule of revision 0001 (replaced by the wake trigger in 0003)."""
         return f"{self.table}_notify"
+
+    def lock_space(self, purpose: str) -> int:
+        """A positive int4 naming this table's advisory locks of one purpose."""
+        return zlib.crc32(f"outbox:{purpose}:{self.qualified_name}".encode()) & 0x7FFFFFFF
+
+    @property
+    def wake_lock(self) -> tuple[int, int]:
+        """The advisory lock that says whether a commit must wake a relay.
+
+        Writers hold it shared (``pg_try_advisory_xact_lock_shared``) from their first insert
+        to their commit; a relay with nothing to do holds it exclusively while it sleeps. A
+        writer refused the shared hold knows a relay is asleep and notifies at commit.
+        """
+        return (self.lock_space("wake"), 0)
+
+    @property
+    def sleeper_lock(self) -> tuple[int, int]:
+        """Held by the one relay that takes the wake lock for all the idle relays."""
+        return (self.lock_space("wake"), 1)
+
+    @property
+    def wake_function(self) -> str:
+        return f"{self.table}_wake"
 
     @property
     def retry_index(self) -> str:

@@ -40,6 +40,7 @@ from relay.producers import (
 )
 from relay.progress import ensure_progress_topic
 from relay.store import Failure, Leased, RelayStore
+from relay.wakeup import WakeUp
 
 log = logging.getLogger("outbox.relay")
 
@@ -75,6 +76,7 @@ class Relay:
         self._stop_requested_at = 0.0
         self._conn: psycopg.Connection | None = None
         self._ownership: ShardOwnership | None = None
+        self._wake: WakeUp | None = None
         self._publisher: BatchPublisher | None = None
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
@@ -130,11 +132,15 @@ class Relay:
                 try:
                     self._connect()
                     self._maybe_rebalance()
-                    handled = self._cycle()
+                    progressed = self._cycle()
                     self.health.tick()
                     pause = 0.5
-                    if handled < self.config.batch_size:
-                        self._wait_for_work()
+                    assert self._wake is not None
+                    if progressed:
+                        # Busy: look again at once, and let writers commit without notifying.
+                        self._wake.busy()
+                    else:
+                        self._wake.idle(self._sleep_timeout())
                 except (
                     psycopg.OperationalError,
                     sa_exc.OperationalError,
@@ -165,15 +171,18 @@ class Relay:
 
     # -- the steps ---------------------------------------------------------------------------
 
-    def _cycle(self) -> int:
-        """Lease one batch of the owned shards, publish it, record what happened."""
+    def _cycle(self) -> bool:
+        """Lease one batch of the owned shards, publish it, record what happened.
+
+        Returns whether any message was settled (sent, retried later or dead).
+        """
         assert self._ownership is not None and self._publisher is not None
         shards = sorted(self._ownership.owned)
         started = time.monotonic()
         batch = self.store.lease_batch(shards, self.config.batch_size, self.config.lease_seconds)
         if not batch:
             self.health.batch_done(progressed=True)  # nothing to send is not being stuck
-            return 0
+            return False
         records = [leased.record for leased in batch if leased.record is not None]
         result = self._publisher.publish(records)
         acked_at = datetime.now(UTC)
@@ -208,7 +217,7 @@ class Relay:
             self.health.kafka_ok = True
         self._observe(batch, records, result.acks, failures, acked_at, time.monotonic() - started)
         self.batches += 1
-        return len(batch)
+        return bool(result.acks or failures)
 
     def _failure(self, leased: Leased, kind: str, error: str) -> Failure:
         if kind == RETRIABLE and not self.config.retry.gives_up(leased.attempts):
@@ -250,14 +259,9 @@ class Relay:
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_seconds.observe(seconds)
 
-    def _wait_for_work(self) -> None:
-        """Sleep until a commit NOTIFY arrives, the poll interval passes, or a stop."""
-        assert self._conn is not None
-        timeout = min(self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic()))
-        for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-            pass
-        for _ in self._conn.notifies(timeout=0):  # fold the wake-ups that queued meanwhile
-            pass
+    def _sleep_timeout(self) -> float:
+        """How long an idle relay may sleep: until the poll interval or the next rebalance."""
+        return min(self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic()))
 
     def _connect(self) -> None:
         # Kafka first: a publisher that could not be made (broker unreachable) is retried on
@@ -287,6 +291,7 @@ class Relay:
         self._conn.execute("SET tcp_keepalives_count = 3")
         self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
         self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
+        self._wake = WakeUp(self._conn, self.config.spec)
         self.health.database_ok = True
         self._next_rebalance = 0.0
         log.info("connected; listening on %s", self.config.spec.notify_channel)
@@ -379,6 +384,8 @@ class Relay:
             lost = self._ownership.forget()
             if lost and self._publisher is not None:
                 self._publisher.let_go(lost)
+        if self._wake is not None:
+            self._wake.forget()
         if self._conn is not None:
             self._conn.close()
         self._conn = None
@@ -389,6 +396,8 @@ class Relay:
         try:
             if self._ownership is not None and self._conn is not None and not self._conn.closed:
                 released = self._ownership.release_all()
+                if self._wake is not None:
+                    self._wake.busy()  # an idle relay in this one's care takes the watch
         except psycopg.Error:
             pass  # the locks go with the connection anyway
         if self._publisher is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,11 +23,6 @@ import psycopg
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 
 log = logging.getLogger(__name__)
-
-
-def lock_space(spec: OutboxTableSpec, purpose: str) -> int:
-    """A positive int4 naming the advisory locks of one outbox table and purpose."""
-    return zlib.crc32(f"outbox:{purpose}:{spec.qualified_name}".encode()) & 0x7FFFFFFF
 
 
 @dataclass
@@ -44,8 +38,8 @@ class ShardOwnership:
     _held_off: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._shards_key = lock_space(self.spec, "shard")
-        self._members_key = lock_space(self.spec, "member")
+        self._shards_key = self.spec.lock_space("shard")
+        self._members_key = self.spec.lock_space("member")
 
     def join(self) -> None:
         """Take the member lock (counted by everyone's rebalance). Join only when able to
