@@ -8,8 +8,16 @@ of them alike, each on its own SQLAlchemy Core connection in one transaction:
   c  outbox    a + one message through Outbox.publish
   d  bulk10    a + ten messages through Outbox.publish_many
 
+Then concurrent writers (durable PostgreSQL), side by side in one run:
+
+  pgbench   1, 16 and 64 clients: an order row plus one message row into a table of the
+            outbox's shape without any wake-up, into the outbox table (wake trigger), and
+            into a copy with the former NOTIFY-on-every-insert rule. What the relay's
+            wake-up costs the database, without Python in the way.
+  Python    the same four kinds as above through the API, from threads in a few processes.
+
 Prints p50/p99 per transaction and the ratios; the last line is one JSON object.
-Run: make bench-write   (or python -m bench.write_path --n 10000)
+Run: make bench-write   (or python -m bench.write_path --n 10000 --writers 1,16,64)
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
+from bench import write_pgbench
 from bench.stack import bench_stack, machine, percentile
+from bench.write_concurrency import measure_concurrent
 from outbox import Message, Outbox, migrate
+from outbox.schema import DEFAULT_SPEC
 
 KINDS = ("bare", "plain", "outbox", "bulk10")
 
@@ -117,7 +128,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--n", type=int, default=10_000, help="transactions of each kind")
+    parser.add_argument(
+        "--writers", default="1,16,64", help="concurrent writer counts, comma-separated"
+    )
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per case per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per writer count")
     args = parser.parse_args(argv)
+    writer_counts = [int(w) for w in args.writers.split(",") if w.strip()]
 
     with bench_stack("bench-write") as (_stack, info):
         migrate.upgrade(info.database_url)
@@ -131,7 +148,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         started = time.monotonic()
         timings = measure(engine, args.n, payload_size)
         elapsed = time.monotonic() - started
+        write_pgbench.prepare(engine, DEFAULT_SPEC)
         engine.dispose()
+        database_side = write_pgbench.measure(
+            info.database_url, writer_counts, seconds=args.seconds, rounds=args.rounds
+        )
+        python_side = {
+            writers: measure_concurrent(
+                info.database_url,
+                writers,
+                KINDS,
+                payload_size,
+                runners,
+                seconds=args.seconds,
+                rounds=args.rounds,
+                first_id=10**12 * (number + 1),
+            )
+            for number, writers in enumerate(writer_counts)
+        }
 
     stats = {}
     for kind in KINDS:
@@ -146,6 +180,32 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "p50_ratio_vs_bare": round(p50["outbox"] / p50["bare"], 3),
         "p50_ratio_ten_bulk": round(p50["bulk10"] / p50["bare"], 3),
         "p50_ratio_ten_bulk_vs_one": round(p50["bulk10"] / p50["outbox"], 3),
+        "pgbench_tps": {
+            str(w): {table: round(f["tps"]) for table, f in by_table.items()}
+            for w, by_table in database_side.items()
+        },
+        **{
+            f"tps_ratio_vs_plain_row_{w}": round(
+                by_table["outbox"]["tps"] / by_table["shape"]["tps"], 3
+            )
+            for w, by_table in database_side.items()
+        },
+        **{
+            f"rule_tps_ratio_vs_plain_row_{w}": round(
+                by_table["rule"]["tps"] / by_table["shape"]["tps"], 3
+            )
+            for w, by_table in database_side.items()
+        },
+        "python_tps": {
+            str(w): {kind: round(tps) for kind, (tps, _) in by_kind.items()}
+            for w, by_kind in python_side.items()
+        },
+        **{
+            f"python_tps_ratio_vs_plain_row_{w}": round(
+                by_kind["outbox"][0] / by_kind["plain"][0], 3
+            )
+            for w, by_kind in python_side.items()
+        },
         "plain_row_payload_bytes": payload_size,
         "seconds": round(elapsed, 1),
     }
@@ -170,8 +230,46 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(
         f"outbox vs plain row (c/b, p50): {figures['p50_ratio_vs_plain_row']:.3f}   floor <= 1.15"
     )
+    print_concurrent(database_side, python_side, labels)
     print(json.dumps(figures))
     return figures
+
+
+def print_concurrent(
+    database_side: dict[int, dict[str, dict[str, float]]],
+    python_side: dict[int, dict[str, tuple[float, list[float]]]],
+    labels: dict[str, str],
+) -> None:
+    print()
+    print("pgbench: order row + one message row, transactions per second (latency avg ms)")
+    print(f"{'writers':>8}{'no wake-up':>20}{'wake trigger':>20}{'NOTIFY rule':>20}")
+    for writers, by_table in database_side.items():
+        cells = "".join(
+            f"{by_table[t]['tps']:>11.0f} ({by_table[t]['latency_ms']:>5.1f})"
+            for t in write_pgbench.TABLES
+        )
+        print(f"{writers:>8}{cells}")
+    for writers, by_table in database_side.items():
+        trigger = by_table["outbox"]["tps"] / by_table["shape"]["tps"]
+        rule = by_table["rule"]["tps"] / by_table["shape"]["tps"]
+        floor = "   floor >= 0.9" if writers >= 16 else ""
+        print(
+            f"outbox / plain row tps, {writers} writers: {trigger:.3f}{floor}"
+            f"   (former NOTIFY rule: {rule:.3f})"
+        )
+    print()
+    print("Python API, concurrent writers: transactions per second, latency in µs")
+    print(f"{'writers':>8}  {'transaction':<34}{'tps':>9}{'p50 µs':>10}{'p99 µs':>10}")
+    for writers, by_kind in python_side.items():
+        for kind in KINDS:
+            tps, latencies = by_kind[kind]
+            print(
+                f"{writers:>8}  {labels[kind]:<34}{tps:>9.0f}"
+                f"{percentile(latencies, 0.5):>10.0f}{percentile(latencies, 0.99):>10.0f}"
+            )
+    for writers, by_kind in python_side.items():
+        ratio = by_kind["outbox"][0] / by_kind["plain"][0]
+        print(f"Python outbox / plain row tps, {writers} writers: {ratio:.3f}")
 
 
 if __name__ == "__main__":
