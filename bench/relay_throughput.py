@@ -209,6 +209,7 @@ def bare_pg_cycle(engine: sa.Engine, n: int) -> Run:
         store.record_outcome([Ack(b.id, 0, i) for i, b in enumerate(batch)], [])
         done += len(batch)
     seconds = time.monotonic() - started
+    store.close()
     assert done == n, f"pg cycle handled {done} of {n}"
     return Run("bare PG lease+mark", seconds, n / seconds)
 

@@ -404,6 +404,7 @@ class Relay:
             self._publisher.close()
         if self._conn is not None:
             self._conn.close()
+        self.store.close()
         self.engine.dispose()
         log.info(
             "relay %s stopped after %d batches; released shards %s",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
-from outbox.engines import hash_joins_only
+from outbox.engines import sender_engine
 from outbox.queries import Queries
 from outbox.records import OutboxRecord
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
@@ -45,6 +46,9 @@ class RelayStore:
         self, engine: sa.Engine, spec: OutboxTableSpec, owner: str, delete_on_send: bool = False
     ) -> None:
         self.engine = engine
+        # Marking joins the table to arrays of the batch's ids: hash joins only (see
+        # outbox.engines.hash_joins_only), set once per session instead of per transaction.
+        self.marking_engine = sender_engine(engine.url, nested_loops=False)
         self.delete_on_send = delete_on_send
         self.queries = Queries(spec)
         self.owner = owner
@@ -57,7 +61,7 @@ class RelayStore:
         if not shards:
             return []
         window = max(100, 2 * batch_size // len(shards))
-        with self.engine.begin() as conn:
+        with self._autocommit(self.engine) as conn:  # one statement: one round trip
             rows = (
                 conn.execute(
                     self.queries["lease_batch"],
@@ -75,7 +79,7 @@ class RelayStore:
         if not rows:
             return []
         ids = [row["id"] for row in rows]
-        with self.engine.begin() as conn:
+        with self._autocommit(self.engine) as conn:
             blocked = set(
                 conn.execute(
                     self.queries["leased_behind_earlier"],
@@ -92,42 +96,54 @@ class RelayStore:
         """Mark acknowledged rows sent and failed ones for retry or dead, in one transaction."""
         retry = [f for f in failures if f.delay is not None]
         dead = [f for f in failures if f.delay is None]
-        with self.engine.begin() as conn:
-            hash_joins_only(conn)
-            if acks and self.delete_on_send:
-                ids = [a.id for a in acks]
-                conn.execute(self.queries["delete_sent"], {"ids": ids, "owner": self.owner})
-            elif acks:
-                conn.execute(
-                    self.queries["mark_sent"],
+        statements: list[tuple[str, dict[str, Any]]] = []
+        if acks and self.delete_on_send:
+            statements.append(("delete_sent", {"ids": [a.id for a in acks]}))
+        elif acks:
+            statements.append(
+                (
+                    "mark_sent",
                     {
                         "ids": [a.id for a in acks],
                         "partitions": [a.partition for a in acks],
                         "offsets": [a.offset for a in acks],
-                        "owner": self.owner,
                     },
                 )
-            if retry:
-                conn.execute(
-                    self.queries["mark_retry"],
+            )
+        if retry:
+            statements.append(
+                (
+                    "mark_retry",
                     {
                         "ids": [f.id for f in retry],
                         "delays": [f.delay for f in retry],
                         "kinds": [f.kind for f in retry],
                         "errors": [f.error[:2000] for f in retry],
-                        "owner": self.owner,
                     },
                 )
-            if dead:
-                conn.execute(
-                    self.queries["mark_dead"],
+            )
+        if dead:
+            statements.append(
+                (
+                    "mark_dead",
                     {
                         "ids": [f.id for f in dead],
                         "kinds": [f.kind for f in dead],
                         "errors": [f.error[:2000] for f in dead],
-                        "owner": self.owner,
                     },
                 )
+            )
+        if not statements:
+            return
+        # The usual batch is all sent: one statement, run without BEGIN/COMMIT round trips.
+        scope = (
+            self._autocommit(self.marking_engine)
+            if len(statements) == 1
+            else self.marking_engine.begin()
+        )
+        with scope as conn:
+            for name, params in statements:
+                conn.execute(self.queries[name], {**params, "owner": self.owner})
 
     def release(self, ids: Sequence[uuid.UUID]) -> None:
         """Give leased rows back untouched (shutdown, or a batch not attempted)."""
@@ -139,8 +155,7 @@ class RelayStore:
         """Exactly-once recovery: mark rows whose Kafka transaction is known committed."""
         if not acks:
             return 0
-        with self.engine.begin() as conn:
-            hash_joins_only(conn)
+        with self.marking_engine.begin() as conn:
             if self.delete_on_send:
                 ids = [a.id for a in acks]
                 return int(conn.execute(self.queries["delete_committed"], {"ids": ids}).rowcount)
@@ -168,6 +183,15 @@ class RelayStore:
         with self.engine.connect() as conn:
             query = self.queries["oldest_pending"]
             return float(conn.execute(query, {"shard_count": SHARD_COUNT}).scalar_one())
+
+    def close(self) -> None:
+        self.marking_engine.dispose()
+
+    @staticmethod
+    @contextmanager
+    def _autocommit(engine: sa.Engine) -> Iterator[sa.Connection]:
+        with engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def _leased(row: Any) -> Leased:

@@ -24,9 +24,12 @@ import psycopg
 
 from outbox.schema import OutboxTableSpec
 
-#: First pause, in seconds, before trying again to take the wake lock from writers.
-FIRST_SETTLE_PAUSE = 0.001
-#: Longest such pause: a transaction left open after inserting keeps relays looking this often.
+#: Pause, in seconds, before trying again to take the wake lock from writers; writers
+#: usually commit within a few milliseconds, and rows they commit meanwhile wait this long.
+SETTLE_PAUSE = 0.001
+#: Tries at that pause before the pause doubles.
+SHORT_SETTLE_TRIES = 10
+#: Longest pause: a transaction left open after inserting keeps a relay looking this often.
 MAX_SETTLE_PAUSE = 0.05
 
 
@@ -42,41 +45,51 @@ class WakeUp:
         self.watching = False
         #: This relay holds the wake lock: writers notify.
         self.asleep = False
-        self._pause = FIRST_SETTLE_PAUSE
+        self._settle_tries = 0
 
     def idle(self, timeout: float) -> bool:
         """Nothing to do: take the watch if free, then sleep (or pause briefly while writers
         are mid-transaction). Returns whether a NOTIFY ended the wait."""
-        if not self.watching:
-            self.watching = self._try_lock(self.sleeper_lock)
-            if not self.watching:
-                return self._wait(timeout)  # another relay watches and will wake us
         if not self.asleep:
-            if not self._try_lock(self.wake_lock):
-                pause, self._pause = self._pause, min(MAX_SETTLE_PAUSE, self._pause * 2)
-                return self._wait(min(pause, timeout))
-            self.asleep = True
-            self._pause = FIRST_SETTLE_PAUSE
-            # Commits made before the lock was ours did not notify: everyone looks once more.
-            self._notify()
-        return self._wait(timeout)
+            # One round trip: the watch if free, then the wake lock, then the NOTIFY that
+            # makes every relay look once more (commits made before the lock was ours did
+            # not notify).
+            row = self.conn.execute(
+                "SELECT watching, asleep, "
+                "CASE WHEN asleep THEN pg_notify(%s, 'relay')::text END "
+                "FROM (SELECT CASE WHEN %s THEN true "
+                "ELSE pg_try_advisory_lock(%s, %s) END AS watching OFFSET 0) AS w, "
+                "LATERAL (SELECT CASE WHEN watching THEN pg_try_advisory_lock(%s, %s) "
+                "ELSE false END AS asleep) AS a",
+                (self.channel, self.watching, *self.sleeper_lock, *self.wake_lock),
+            ).fetchone()
+            assert row is not None
+            self.watching, self.asleep = bool(row[0]), bool(row[1])
+            if self.watching and not self.asleep:
+                # Writers are mid-transaction; any of them may have skipped its NOTIFY.
+                self._settle_tries += 1
+                return self._wait(min(settle_pause(self._settle_tries), timeout))
+            self._settle_tries = 0
+        return self._wait(timeout)  # asleep, or another relay watches and will wake us
 
     def busy(self) -> None:
         """Work was found: stop making writers notify, and hand the watch back."""
         if not self.watching:
             return
-        if self.asleep:
-            self._unlock(self.wake_lock)
-            self.asleep = False
-        self._unlock(self.sleeper_lock)
-        self.watching = False
-        self._pause = FIRST_SETTLE_PAUSE
-        self._notify()  # relays that slept in this one's care take the watch over
+        # Unlocks first, in order; the NOTIFY (delivered at this statement's commit) tells
+        # relays that slept in this one's care to take the watch over.
+        unlock_wake = "pg_advisory_unlock(%s, %s), " if self.asleep else ""
+        self.conn.execute(
+            f"SELECT {unlock_wake}pg_advisory_unlock(%s, %s), pg_notify(%s, 'relay')",
+            (*(self.wake_lock if self.asleep else ()), *self.sleeper_lock, self.channel),
+        )
+        self.watching = self.asleep = False
+        self._settle_tries = 0
 
     def forget(self) -> None:
         """The connection is gone, and its locks with it."""
         self.watching = self.asleep = False
-        self._pause = FIRST_SETTLE_PAUSE
+        self._settle_tries = 0
 
     def _wait(self, timeout: float) -> bool:
         woken = False
@@ -86,12 +99,10 @@ class WakeUp:
             pass
         return woken
 
-    def _try_lock(self, lock: tuple[int, int]) -> bool:
-        row = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)", lock).fetchone()
-        return bool(row and row[0])
 
-    def _unlock(self, lock: tuple[int, int]) -> None:
-        self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", lock)
-
-    def _notify(self) -> None:
-        self.conn.execute("SELECT pg_notify(%s, 'relay')", (self.channel,))
+def settle_pause(tries: int) -> float:
+    """The pause after ``tries`` failed tries to take the wake lock: short at first, then
+    doubling up to :data:`MAX_SETTLE_PAUSE`."""
+    if tries <= SHORT_SETTLE_TRIES:
+        return SETTLE_PAUSE
+    return min(MAX_SETTLE_PAUSE, SETTLE_PAUSE * 2.0 ** (tries - SHORT_SETTLE_TRIES))

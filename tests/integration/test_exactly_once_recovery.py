@@ -140,6 +140,7 @@ def test_a_row_requeued_by_repair_is_sent_again_not_marked_sent_by_the_old_progr
     leased = first.lease_batch([shard], 100, 30)
     result = old_owner.publish([leased_row.record for leased_row in leased])
     first.record_outcome(result.acks, [])
+    first.close()
     assert len(result.acks) == 20
 
     # The audit found one message missing on its topic (say, lost by the broker); repair puts
@@ -161,6 +162,7 @@ def test_a_row_requeued_by_repair_is_sent_again_not_marked_sent_by_the_old_progr
     assert [row.id for row in again] == [lost]
     resent = new_owner.publish([row.record for row in again])
     second.record_outcome(resent.acks, [])
+    second.close()
     assert [ack.generation for ack in resent.acks] == [1]
     copies = consume_messages(bootstrap_servers, topic, expect=21)
     assert sum(1 for r in copies if message_id(r) == lost) == 2

@@ -185,6 +185,7 @@ def test_crash_between_kafka_commit_and_marking_never_republishes(
     result = publisher.publish([leased.record for leased in batch])
     assert len(result.acks) == 50  # committed in Kafka ...
     publisher.close()  # ... and the relay dies before marking the rows sent
+    store.close()
     assert statuses(engine) == {"pending": 50}
 
     config = relay_config(

@@ -69,6 +69,7 @@ def test_a_key_backing_off_with_a_deep_backlog_does_not_hold_back_its_shard(
         )
     store.release([row.id for row in leased])
     again = store.lease_batch(list(range(SHARD_COUNT)), 1000, 30)
+    store.close()
     of_blocked = [row.id for row in again if row.id in set(behind)]
     assert of_blocked and of_blocked == behind[: len(of_blocked)]
 
