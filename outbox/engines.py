@@ -5,7 +5,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 
-def sender_engine(url: str | sa.URL, pool_size: int = 2, *, nested_loops: bool = True) -> sa.Engine:
+def sender_engine(
+    url: str | sa.URL,
+    pool_size: int = 2,
+    *,
+    nested_loops: bool = True,
+    durable: bool = True,
+    pre_ping: bool = True,
+) -> sa.Engine:
     """An engine for the relay's and the immediate sender's batch queries.
 
     Their ``= ANY(:ids)`` and ``unnest(...)`` parameters are arrays of a size only the
@@ -16,22 +23,28 @@ def sender_engine(url: str | sa.URL, pool_size: int = 2, *, nested_loops: bool =
     JIT compilation is off: the per-row index probes of the order checks make their cost
     estimates look large, and compiling them takes longer (tens of milliseconds) than they run.
 
-    Their commits do not wait for the WAL flush (``synchronous_commit=off``): a lease or a
-    mark that a database crash forgets (at most about 0.6 s of them) only means a row is sent
-    again, a duplicate that at-least-once allows and that exactly-once recovers from its
-    progress records. The next message's wait for a disk flush, tens of milliseconds on a
-    slow disk, matters more.
-
-    No pre-ping: it costs a round trip per checkout, and both senders already treat a lost
-    connection as an error to retry (SQLAlchemy then drops the pool's stale connections).
-
     ``nested_loops=False`` makes an engine for the marking statements: see
     :func:`hash_joins_only`, here for every statement of the session.
+
+    ``durable=False`` (the relay's leases only) lets commits skip the wait for the WAL flush. A
+    lease that a database crash forgets only frees its row, and the row's next mark, a
+    durable commit, flushes every earlier lease with it. Marks must stay durable: exactly-once
+    recovery can restore only a shard's last batch from Kafka's progress records, and a
+    forgotten mark of any earlier batch would send its rows again.
+
+    ``pre_ping=False`` saves a round trip per checkout where a dead connection costs nothing:
+    a lease that fails on one has not sent anything, and SQLAlchemy then drops the pool's
+    other stale connections. Marks keep the ping, so that a database restart between lease
+    and mark does not turn an acknowledged batch into one sent again.
     """
-    options = "-c plan_cache_mode=force_custom_plan -c jit=off -c synchronous_commit=off"
+    options = "-c plan_cache_mode=force_custom_plan -c jit=off"
     if not nested_loops:
         options += " -c enable_nestloop=off"
-    return sa.create_engine(url, pool_size=pool_size, connect_args={"options": options})
+    if not durable:
+        options += " -c synchronous_commit=off"
+    return sa.create_engine(
+        url, pool_size=pool_size, pool_pre_ping=pre_ping, connect_args={"options": options}
+    )
 
 
 def hash_joins_only(conn: sa.Connection) -> None:

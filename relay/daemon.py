@@ -60,7 +60,7 @@ class Relay:
     def __init__(self, config: RelayConfig, metrics: RelayMetrics | None = None) -> None:
         self.config = config
         self.owner = f"relay-{uuid.uuid4()}"
-        self.engine = sender_engine(config.database_url)
+        self.engine = sender_engine(config.database_url, durable=False, pre_ping=False)
         self.store = RelayStore(self.engine, config.spec, self.owner, config.delete_on_send)
         self.metrics = metrics or RelayMetrics()
         # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
@@ -151,6 +151,7 @@ class Relay:
                     pause = min(MAX_ERROR_PAUSE, pause * 2)
                 except (KafkaException, TimeoutError) as error:
                     self.health.kafka_ok = False
+                    self._give_up_watch()
                     # TimeoutError: Kafka did not answer in time (progress reads in a take-over).
                     if (
                         isinstance(error, KafkaException)
@@ -258,6 +259,16 @@ class Relay:
                 )
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_seconds.observe(seconds)
+
+    def _give_up_watch(self) -> None:
+        """A relay that cannot publish must not watch for the others (they would only poll)."""
+        if self._wake is None or self._conn is None or self._conn.closed:
+            return
+        try:
+            self._wake.busy()
+        except psycopg.Error as error:
+            # Closed with the connection, the locks cannot outlive what this relay knows.
+            self._lost_database(error)
 
     def _sleep_timeout(self) -> float:
         """How long an idle relay may sleep: until the poll interval or the next rebalance."""

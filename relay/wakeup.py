@@ -12,8 +12,10 @@ table's *wake lock* (an advisory lock, see ``OutboxTableSpec.wake_lock``) says w
   once more at what was committed before it held the lock, and sleeps. Refused, writers are
   mid-transaction: it looks again after a short, growing pause (the only polling).
 * One relay holds the wake lock for all idle relays (the *sleeper* lock picks it); a NOTIFY
-  reaches every listener. Others sleep until a NOTIFY or their poll interval. The watching
-  relay NOTIFYs again when it gets work and lets go, so the others never sleep unwatched.
+  reaches every listener. Others sleep until a NOTIFY or their poll interval, but only while
+  the watcher sleeps: while it cannot (writers mid-transaction), they pause and look again
+  as it does. The watching relay NOTIFYs again when it gets work and lets go, so the others
+  never sleep unwatched.
 
 Busy relays hold nothing: writers then only take a shared lock, and never notify.
 """
@@ -48,29 +50,46 @@ class WakeUp:
         self._settle_tries = 0
 
     def idle(self, timeout: float) -> bool:
-        """Nothing to do: take the watch if free, then sleep (or pause briefly while writers
-        are mid-transaction). Returns whether a NOTIFY ended the wait."""
-        if not self.asleep:
-            # One round trip: the watch if free, then the wake lock, then the NOTIFY that
-            # makes every relay look once more (commits made before the lock was ours did
-            # not notify).
-            row = self.conn.execute(
-                "SELECT watching, asleep, "
-                "CASE WHEN asleep THEN pg_notify(%s, 'relay')::text END "
-                "FROM (SELECT CASE WHEN %s THEN true "
-                "ELSE pg_try_advisory_lock(%s, %s) END AS watching OFFSET 0) AS w, "
-                "LATERAL (SELECT CASE WHEN watching THEN pg_try_advisory_lock(%s, %s) "
-                "ELSE false END AS asleep) AS a",
-                (self.channel, self.watching, *self.sleeper_lock, *self.wake_lock),
-            ).fetchone()
-            assert row is not None
-            self.watching, self.asleep = bool(row[0]), bool(row[1])
-            if self.watching and not self.asleep:
-                # Writers are mid-transaction; any of them may have skipped its NOTIFY.
-                self._settle_tries += 1
-                return self._wait(min(settle_pause(self._settle_tries), timeout))
+        """Nothing to do: take the watch if free, then sleep, or pause briefly while writers
+        are mid-transaction. Returns whether to look again at once (a NOTIFY ended the wait,
+        or this relay just fell asleep)."""
+        if self.asleep:
+            return self._wait(timeout)
+        # One round trip: the watch if free; then, watching, the wake lock and the NOTIFY that
+        # makes every relay look once more (commits made before the lock was ours did not
+        # notify); not watching, whether the watcher sleeps (holds the wake lock).
+        row = self.conn.execute(
+            "SELECT watching, asleep, watched, "
+            "CASE WHEN asleep THEN pg_notify(%(channel)s, 'relay')::text END "
+            "FROM (SELECT CASE WHEN %(watching)s THEN true "
+            "ELSE pg_try_advisory_lock(%(s1)s, %(s2)s) END AS watching OFFSET 0) AS w, "
+            "LATERAL (SELECT CASE WHEN watching THEN pg_try_advisory_lock(%(w1)s, %(w2)s) "
+            "ELSE false END AS asleep OFFSET 0) AS a, "
+            "LATERAL (SELECT CASE WHEN watching THEN true "
+            "WHEN pg_try_advisory_lock_shared(%(w1)s, %(w2)s) "
+            "THEN NOT pg_advisory_unlock_shared(%(w1)s, %(w2)s) "
+            "ELSE true END AS watched OFFSET 0) AS x",
+            {
+                "channel": self.channel,
+                "watching": self.watching,
+                "s1": self.sleeper_lock[0],
+                "s2": self.sleeper_lock[1],
+                "w1": self.wake_lock[0],
+                "w2": self.wake_lock[1],
+            },
+        ).fetchone()
+        assert row is not None
+        self.watching, self.asleep, watched = bool(row[0]), bool(row[1]), bool(row[2])
+        if self.asleep:
             self._settle_tries = 0
-        return self._wait(timeout)  # asleep, or another relay watches and will wake us
+            return True  # the last look, for commits made before the lock was ours
+        if self.watching or not watched:
+            # Writers are mid-transaction, and any of them may have skipped its NOTIFY: the
+            # watcher cannot sleep yet, and nobody else may either while it cannot.
+            self._settle_tries += 1
+            return self._wait(min(settle_pause(self._settle_tries), timeout))
+        self._settle_tries = 0
+        return self._wait(timeout)  # the watcher sleeps: writers notify
 
     def busy(self) -> None:
         """Work was found: stop making writers notify, and hand the watch back."""

@@ -124,6 +124,33 @@ def test_falling_asleep_makes_every_relay_look_once_more(engine: sa.Engine) -> N
         assert other.watching and other.asleep  # ... and takes the watch
 
 
+def test_while_the_watcher_cannot_sleep_the_other_relays_do_not_either(engine: sa.Engine) -> None:
+    """Writers always mid-transaction keep the watcher from the wake lock, and they do not
+    notify: the other idle relays must then look again as often as the watcher does, not
+    wait for their poll interval."""
+    with (
+        psycopg.connect(conninfo(engine), autocommit=True) as first,
+        psycopg.connect(conninfo(engine), autocommit=True) as second,
+    ):
+        for conn in (first, second):
+            conn.execute(f'LISTEN "{CHANNEL}"')
+        watcher, other = WakeUp(first, DEFAULT_SPEC), WakeUp(second, DEFAULT_SPEC)
+        ob = Outbox(engine)
+        with ob.transaction() as tx:
+            tx.publish("orders", b"open")  # holds the wake lock shared until commit
+            watcher.idle(0.01)
+            assert watcher.watching and not watcher.asleep
+            started = time.monotonic()
+            assert not other.idle(5.0)
+            assert time.monotonic() - started < 0.5  # a settle pause, not the 5 s sleep
+            assert not other.watching
+        assert watcher.idle(5.0) and watcher.asleep  # committed: the watcher falls asleep
+        started = time.monotonic()
+        assert other.idle(5.0)  # told to look once more by the watcher's NOTIFY ...
+        assert not other.idle(0.3)  # ... then it sleeps, the watcher asleep for it
+        assert time.monotonic() - started >= 0.3
+
+
 WritePath = Callable[[sa.Engine, str], None]
 
 
