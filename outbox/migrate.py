@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 from alembic import command
+from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.pool import NullPool
 
@@ -119,9 +120,33 @@ def upgrade(
     Raises :class:`~outbox.errors.OutboxError`, changing nothing, when the table is managed
     by another Alembic history (or by none).
     """
-    if not sql:
-        _refuse_unless_ours(database_url, spec)
-    command.upgrade(alembic_config(database_url, spec), revision, sql=sql)
+    if sql:
+        command.upgrade(alembic_config(database_url, spec), revision, sql=True)
+        return
+    spec = spec or OutboxTableSpec()
+    _refuse_unless_ours(database_url, spec)
+    config = alembic_config(database_url, spec)
+    before = revision_of(database_url, spec)
+    command.upgrade(config, revision)
+    after = revision_of(database_url, spec)
+    if before == after:
+        config.print_stdout(f"{spec.qualified_name} is already at {after}: nothing to do")
+    else:
+        config.print_stdout(f"{spec.qualified_name} upgraded from {before or 'nothing'} to {after}")
+
+
+def revision_of(database_url: str, spec: OutboxTableSpec) -> str | None:
+    """The revision the outbox's own history records for ``spec`` (None: not created)."""
+    engine = sa.create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn,
+                opts={"version_table": spec.version_table, "version_table_schema": spec.schema},
+            )
+            return context.get_current_revision()
+    finally:
+        engine.dispose()
 
 
 def downgrade(

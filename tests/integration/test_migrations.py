@@ -122,6 +122,25 @@ def test_cli_current_names_the_revision_or_says_there_is_no_table(database_url: 
         )
 
 
+def test_cli_upgrade_says_what_it_did(database_url: str) -> None:
+    head = ScriptDirectory.from_config(alembic_config(database_url)).get_current_head()
+    code, output = db("upgrade", "--database-url", database_url, "--revision", "0001_create_outbox")
+    assert (code, output.splitlines()[-1]) == (
+        0,
+        "public.outbox upgraded from nothing to 0001_create_outbox",
+    )
+    code, output = db("upgrade", "--database-url", database_url)
+    assert (code, output.splitlines()[-1]) == (
+        0,
+        f"public.outbox upgraded from 0001_create_outbox to {head}",
+    )
+    code, output = db("upgrade", "--database-url", database_url)
+    assert (code, output.splitlines()[-1]) == (
+        0,
+        f"public.outbox is already at {head}: nothing to do",
+    )
+
+
 def test_cli_refuses_to_upgrade_a_table_no_history_records(database_url: str) -> None:
     spec = OutboxTableSpec()
     engine = sa.create_engine(database_url)
