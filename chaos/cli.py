@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 
 import click
 
@@ -87,8 +89,13 @@ def chaos(
 
         output = stack_home() / "chaos" / f"{stamp}-{mode}-{seed}"
     settings = ChaosSettings(mode, seed, chosen, output, duration, rate, keep_data)
+    # SIGTERM unwinds the run like Ctrl-C does, so that its servers and relays are stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = ChaosRun(settings, echo=lambda line: click.echo(line)).execute()
+    except KeyboardInterrupt:
+        click.echo("outbox chaos: interrupted; its servers and relays are stopped", err=True)
+        sys.exit(130)
     except Exception as exc:
         from relay.observability import mask_secrets
 
@@ -100,6 +107,11 @@ def chaos(
     _print_report(body)
     click.echo(json.dumps(body))
     sys.exit(0 if body["verdict"] == "PASS" else 1)
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the clean-up finish
+    raise KeyboardInterrupt
 
 
 def _print_report(body: dict[str, object]) -> None:

@@ -242,7 +242,14 @@ def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
     show_envvar=True,
     help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
 )
-@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="OUTBOX_RELAY_METRICS_HOST",
+    show_envvar=True,
+    help="Address the metrics and health server listens on (0.0.0.0 in a container).",
+)
 @click.option(
     "--transactional-id-prefix",
     default=None,

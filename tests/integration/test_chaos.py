@@ -8,8 +8,10 @@ mode; any seed must pass.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,65 @@ def test_the_audit_sees_a_broken_atomicity_and_a_reordered_key(
     assert [r.message_id for r in records][:3] == [ids[0], ids[2], ids[1]]
     found = audit.order_violations(records, audit.row_facts(engine, [topic]))
     assert len(found) == 1 and str(ids[1]) in found[0]
+
+
+def processes_of_run(pid: int) -> set[int]:
+    """The chaos run's processes: its descendants (relays, broker) and the servers started
+    detached (PostgreSQL) whose command line names the run's stack."""
+    children: dict[int, list[int]] = {}
+    of_stack: set[int] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            command_line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(proc.name))
+        if f"/chaos-{pid}-" in command_line:
+            of_stack.add(int(proc.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found | of_stack
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_runs_servers_and_relays(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "outbox.cli", "chaos", "--seed", str(SEED)]
+    command += ["--output", str(tmp_path)]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as run:
+        try:
+            assert run.stdout is not None
+            for line in run.stdout:
+                if "relays and writers starting" in line:
+                    break
+            else:
+                pytest.fail("the run ended before its servers were up")
+            time.sleep(5)  # relays and writers at work
+            started = processes_of_run(run.pid)
+            assert len(started) >= 5  # PostgreSQL, Kafka and three relays at least
+            run.send_signal(signal.SIGTERM)
+            run.communicate(timeout=120)  # reads what is left, so the run never blocks on it
+            assert run.returncode == 130
+        finally:
+            if run.poll() is None:
+                run.send_signal(signal.SIGTERM)
+                run.communicate(timeout=120)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in started):
+        time.sleep(0.5)
+    left = sorted(p for p in started if alive(p))
+    assert not left, f"processes left running: {left}"
