@@ -2,28 +2,31 @@
 
 How it stays out of the relay's way (no duplicates, no reordering):
 
-1. **Lease.** The sender takes the committed rows with one conditional UPDATE
-   (``status = 'pending'`` and no live lease) that records itself as ``lease_owner`` until
-   ``lease_until``, and commits. The relay leases rows the same way, so whichever UPDATE
-   comes second finds the rows taken and skips them: a row is never sent by both.
-2. **Order check.** After its lease is committed, the sender looks for an earlier pending row
-   of the same topic and key that it does not hold (one being retried, or leased by the
-   relay). Such rows are released at once and left to the relay, which sends a key's messages
-   in order.
-3. **Produce and mark.** The rest go through one shared idempotent producer; each row Kafka
-   acknowledges is marked sent (or deleted, in keep-nothing mode) *only if the sender still
-   holds its lease*. Rows that failed are released.
-4. **No send left behind.** The producer gets the whole delivery timeout and what Kafka has
-   not acknowledged by then is purged from it before the rows are released
-   (:mod:`outbox.sending`): the producer retries nothing of a released row. (Bytes already on
-   the wire may still be written: then the row is on its topic twice once the relay sends it,
-   the duplicate at-least-once allows.)
-5. **Crash.** If the process dies anywhere in between, the rows are still ``pending``; once
-   the lease runs out (``lease_seconds``, longer than the producer's delivery timeout) the relay
-   sends them. The only duplicate possible is the one at-least-once always allows: Kafka
-   stored the record but the process died before marking it. That holds next to an
-   exactly-once relay too: immediate send does not use Kafka transactions, so a consumer
-   that needs exactly-once must deduplicate on the ``outbox-id`` header.
+1. **Leased when written.** A message published through an :class:`~outbox.Outbox` with an
+   immediate sender is inserted already leased to that sender (``lease_owner``), until
+   ``lease_until`` = insert time + ``lease_seconds``. The relay never sends a leased row, and
+   holds back the later messages of its key, until the lease is given back or runs out: the
+   lease is taken in the writing transaction itself, so there is no moment at which both could
+   take the row.
+2. **Order check.** Before sending, the sender looks for an earlier pending row of the same
+   topic and key that it does not hold (one being retried, or in flight with the relay). Such
+   rows are released at once and left to the relay, which sends a key's messages in order.
+3. **Produce and mark.** The rest go through one shared idempotent producer (the relay's
+   sending core, :class:`outbox.flights.IdempotentSender`), and each row Kafka acknowledges is
+   marked sent (or deleted, in keep-nothing mode) *only if the sender still holds its lease*.
+   Rows that failed are released to the relay.
+4. **Never past the lease.** A batch's deadline is the earlier of the delivery timeout and the
+   lease's end less a margin (``LEASE_MARGIN``), measured from before the sender read how long
+   the lease had left; what Kafka has not acknowledged by then is purged
+   (:mod:`outbox.sending`). So the sender has stopped before the relay may take a row over.
+   (Bytes already on the wire may still be written: then the row is on its topic twice once the
+   relay sends it, the duplicate at-least-once allows.)
+5. **Crash.** If the process dies anywhere in between, the rows are still ``pending``; once the
+   lease runs out (``lease_seconds``, 12 s by default) the relay sends them. The only duplicate
+   possible is the one at-least-once always allows: Kafka stored the record but the process
+   died before marking it. That holds next to an exactly-once relay too: immediate send does
+   not use Kafka transactions, so a consumer that needs exactly-once must deduplicate on the
+   ``outbox-id`` header.
 """
 
 from __future__ import annotations
@@ -31,26 +34,28 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-from confluent_kafka import Producer
 
-from outbox.engines import hash_joins_only, sender_engine
+from outbox.engines import sender_engine
 from outbox.errors import ConfigError
-from outbox.queries import Queries
+from outbox.flights import IdempotentSender
 from outbox.records import OutboxRecord
+from outbox.rows import OutboxRows, pending_row
 from outbox.schema import OutboxTableSpec
-from outbox.sending import BatchResult, produce_batch, sending_config
 
 log = logging.getLogger(__name__)
 
-#: How long a lease lasts; must exceed the delivery timeout so a slow send ends before it.
-DEFAULT_LEASE_SECONDS = 60.0
-DELIVERY_TIMEOUT_MS = 15_000
+#: How long a row written for immediate send is held for it; the relay sends it after that.
+DEFAULT_LEASE_SECONDS = 12.0
+DELIVERY_TIMEOUT_MS = 8_000
+#: The sender stops sending a lease's rows this long before the lease ends.
+LEASE_MARGIN = 1.0
 #: How many earlier pending rows of a shard the order check looks at. A deeper backlog means
 #: the relay is behind anyway: the rows behind it are left to the relay, which sends in order.
 ORDER_CHECK_REACH = 1000
@@ -69,7 +74,7 @@ class ImmediateSender:
     """Sends committed outbox rows from the writing process; the relay is the safety net.
 
     ``submit`` only queues ids (it never blocks the request that committed them); a
-    background thread leases, produces and marks. Call :meth:`close` at shutdown.
+    background thread produces and marks. Call :meth:`close` at shutdown.
     """
 
     def __init__(
@@ -85,18 +90,16 @@ class ImmediateSender:
     ) -> None:
         settings = dict(kafka_config)
         self.delivery_timeout_ms = int(settings.pop("delivery.timeout.ms", DELIVERY_TIMEOUT_MS))
-        if lease_seconds * 1000 <= self.delivery_timeout_ms:
-            raise ConfigError("lease_seconds must outlast the producer's delivery.timeout.ms")
-        config = sending_config(settings, self.delivery_timeout_ms)
+        if lease_seconds <= 2 * LEASE_MARGIN:
+            raise ConfigError(f"lease_seconds must be more than {2 * LEASE_MARGIN:.0f}")
         # An engine of its own, planned per statement (see outbox.engines.sender_engine).
         self.engine = sender_engine(engine if isinstance(engine, str) else engine.url)
         self.spec = spec or OutboxTableSpec()
-        self.queries = Queries(self.spec)
-        self.lease_seconds = lease_seconds
-        self.delete_on_send = delete_on_send
-        self.batch_size = batch_size
         self.owner = f"immediate-{uuid.uuid4()}"
-        self._producer = Producer(config)
+        self.rows = OutboxRows(self.engine.url, self.spec, self.owner, delete_on_send)
+        self.lease_seconds = lease_seconds
+        self.batch_size = batch_size
+        self._sender = IdempotentSender(settings, self.delivery_timeout_ms)
         self._sending = threading.Lock()
         self._queue: queue.Queue[_QueueItem] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="outbox-immediate", daemon=True)
@@ -105,7 +108,8 @@ class ImmediateSender:
     def submit(self, ids: Iterable[uuid.UUID]) -> bool:
         """Queue committed message ids for sending; False when the queue is full.
 
-        A full queue loses nothing: those messages are still pending and the relay sends them.
+        A full queue loses nothing: those messages are still pending and the relay sends them
+        once their lease runs out.
         """
         try:
             self._queue.put_nowait(list(ids))
@@ -125,11 +129,12 @@ class ImmediateSender:
         self.flush(timeout)
         self._queue.put(_CLOSE)
         self._thread.join(timeout)
-        self._producer.flush(timeout)
+        self._sender.close(timeout)
+        self.rows.close()
         self.engine.dispose()
 
     def send_now(self, ids: list[uuid.UUID]) -> SendOutcome:
-        """Lease, produce and mark ``ids`` in the calling thread.
+        """Order-check, produce and mark ``ids`` in the calling thread.
 
         One batch at a time: batches of one sender hold their rows under one owner, so the
         order check cannot see one batch's rows from the other, and a purge at one batch's
@@ -137,84 +142,60 @@ class ImmediateSender:
         """
         with self._sending:
             outcome = SendOutcome()
-            records = self._lease(ids, outcome)
+            asked_at = time.monotonic()
+            records, lease_left = self._clear_to_send(ids, outcome)
             if not records:
                 return outcome
-            result = BatchResult()
-            produce_batch(self._producer, records, result, self.delivery_timeout_ms / 1000)
-            self._finish(records, result, outcome)
+            # Stop before the lease can run out: the relay may send the rows after that.
+            deadline = min(self.delivery_timeout_ms / 1000, lease_left - LEASE_MARGIN)
+            if deadline <= 0:
+                outcome.left_to_relay.extend(r.id for r in records)
+                self.rows.record_outcome([], released=[r.id for r in records])
+                return outcome
+            flight = self._sender.start(records, timeout=deadline, started=asked_at)
+            while not flight.done():
+                self._sender.wait(1.0)
+            result = flight.result
+            acked = {ack.id for ack in result.acks}
+            unacked = [r.id for r in records if r.id not in acked]
+            for record_id in unacked:
+                error = result.errors.get(record_id)
+                outcome.failed[record_id] = error.str() if error else "not attempted"
+            self.rows.record_outcome(result.acks, released=unacked)
+            outcome.sent.extend(r.id for r in records if r.id in acked)
             return outcome
 
     # -- internals -------------------------------------------------------------------------
 
-    def _lease(self, ids: list[uuid.UUID], outcome: SendOutcome) -> list[OutboxRecord]:
+    def _clear_to_send(
+        self, ids: list[uuid.UUID], outcome: SendOutcome
+    ) -> tuple[list[OutboxRecord], float]:
+        """The rows this sender may send now, in order, and the seconds left on their lease;
+        rows behind an earlier row of their key are released to the relay."""
         with self.engine.begin() as conn:
             rows = (
                 conn.execute(
-                    self.queries["lease_ids"],
-                    {"ids": ids, "owner": self.owner, "lease_seconds": self.lease_seconds},
+                    self.rows.queries["clear_to_send"],
+                    {"ids": ids, "owner": self.owner, "reach": ORDER_CHECK_REACH},
                 )
                 .mappings()
                 .all()
             )
-        leased = {row["id"] for row in rows}
-        outcome.left_to_relay.extend(i for i in ids if i not in leased)
-        if not rows:
-            return []
-        with self.engine.begin() as conn:
-            blocked = set(
-                conn.execute(
-                    self.queries["leased_behind_earlier"],
-                    {"ids": list(leased), "owner": self.owner, "reach": ORDER_CHECK_REACH},
-                ).scalars()
-            )
-            if blocked:
-                conn.execute(self.queries["release"], {"ids": list(blocked), "owner": self.owner})
-        outcome.left_to_relay.extend(blocked)
+        clear = {row["id"] for row in rows}
+        outcome.left_to_relay.extend(i for i in ids if i not in clear)
         records = []
         undecodable = []
-        for row in sorted(rows, key=lambda r: r["seq"]):
-            if row["id"] in blocked:
-                continue
-            try:
-                records.append(OutboxRecord.from_row(dict(row)))
-            except ValueError:
-                undecodable.append(row["id"])  # the relay dead-letters it with the reason
+        for row in rows:
+            decoded = pending_row(row)
+            if decoded.record is None:
+                undecodable.append(decoded.id)  # the relay dead-letters it with the reason
+            else:
+                records.append(decoded.record)
         if undecodable:
-            self._release(undecodable)
+            self.rows.record_outcome([], released=undecodable)
             outcome.left_to_relay.extend(undecodable)
-        return records
-
-    def _finish(
-        self, records: list[OutboxRecord], result: BatchResult, outcome: SendOutcome
-    ) -> None:
-        acks = {ack.id: ack for ack in result.acks}
-        acked = [r.id for r in records if r.id in acks]
-        unacked = [r.id for r in records if r.id not in acks]
-        for record_id in unacked:
-            error = result.errors.get(record_id)
-            outcome.failed[record_id] = error.str() if error else "not attempted"
-        with self.engine.begin() as conn:
-            hash_joins_only(conn)
-            if acked and self.delete_on_send:
-                conn.execute(self.queries["delete_sent"], {"ids": acked, "owner": self.owner})
-            elif acked:
-                conn.execute(
-                    self.queries["mark_sent"],
-                    {
-                        "ids": acked,
-                        "partitions": [acks[i].partition for i in acked],
-                        "offsets": [acks[i].offset for i in acked],
-                        "owner": self.owner,
-                    },
-                )
-            if unacked:
-                conn.execute(self.queries["release"], {"ids": unacked, "owner": self.owner})
-        outcome.sent.extend(acked)
-
-    def _release(self, ids: list[uuid.UUID]) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(self.queries["release"], {"ids": ids, "owner": self.owner})
+        lease_left = min((float(row["lease_left"]) for row in rows), default=0.0)
+        return records, lease_left
 
     def _run(self) -> None:
         carried: _QueueItem | None = None

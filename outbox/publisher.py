@@ -165,7 +165,10 @@ class Outbox:
         encoded = self._encode(messages)
         if isinstance(bind, Session):
             results = self._write(
-                _session_connection(bind), encoded, functools.partial(_session_savepoint, bind)
+                _session_connection(bind),
+                encoded,
+                functools.partial(_session_savepoint, bind),
+                leased=self.immediate is not None,
             )
             self._remember(bind, results)
             return results
@@ -198,7 +201,12 @@ class Outbox:
 
             def write_in_session(session: Session) -> list[PublishResult]:
                 savepoint = functools.partial(_session_savepoint, session)
-                results = self._write(_session_connection(session), encoded, savepoint)
+                results = self._write(
+                    _session_connection(session),
+                    encoded,
+                    savepoint,
+                    leased=self.immediate is not None,
+                )
                 self._remember(session, results)
                 return results
 
@@ -228,35 +236,50 @@ class Outbox:
         conn: Connection,
         encoded: Sequence[EncodedMessage],
         savepoint: Callable[[], AbstractContextManager[Any]],
+        leased: bool = False,
     ) -> list[PublishResult]:
+        """Insert ``encoded``; ``leased``: for the immediate sender, which sends them after
+        commit (the rows are written leased to it, so the relay leaves them alone)."""
         if not encoded:
             return []
         self._verify_table(conn)
         try:
             if all(m.idempotency_key is None for m in encoded):
-                self._insert_rows(conn, _same_columns([m.row for m in encoded]))
+                self._insert_rows(conn, _same_columns([m.row for m in encoded]), leased)
                 return [PublishResult(m.id) for m in encoded]
-            return self._write_keyed(conn, encoded, savepoint)
+            return self._write_keyed(conn, encoded, savepoint, leased)
         except exc.ProgrammingError as error:
             translated = _translate(error, self.spec)
             if translated is None:
                 raise
             raise translated from error
 
-    def _insert_rows(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+    def _insert_rows(self, conn: Connection, rows: list[dict[str, Any]], leased: bool) -> None:
         """INSERT ``rows`` (all with the same columns) in one statement.
 
         With psycopg the statement is compiled by Core once per column set and then run as
         driver SQL: the hot path skips Core's per-call compile-cache and parameter work.
         """
+        insert = self._insert
+        if leased:
+            assert self.immediate is not None
+            owner = self.immediate.owner
+            rows = [{**row, "lease_owner": owner} for row in rows]
+            # The database's clock at the insert, as the relay's read compares it with now().
+            seconds = float(self.immediate.lease_seconds)
+            insert = insert.values(
+                lease_until=sa.literal_column(
+                    f"clock_timestamp() + make_interval(secs => {seconds!r})"
+                )
+            )
         dialect = conn.dialect
         if dialect.driver != "psycopg" or dialect.paramstyle != "pyformat":
-            conn.execute(self._insert, rows)
+            conn.execute(insert, rows)
             return
         columns = tuple(rows[0])
         statement = self._driver_sql.get(columns)
         if statement is None:
-            compiled = self._insert.compile(dialect=dialect, column_keys=list(columns))
+            compiled = insert.compile(dialect=dialect, column_keys=list(columns))
             statement = self._driver_sql[columns] = str(compiled)
         conn.exec_driver_sql(statement, rows[0] if len(rows) == 1 else rows)
 
@@ -265,6 +288,7 @@ class Outbox:
         conn: Connection,
         encoded: Sequence[EncodedMessage],
         savepoint: Callable[[], AbstractContextManager[Any]],
+        leased: bool,
     ) -> list[PublishResult]:
         """Write a batch with idempotency keys: the first message of each new key wins.
 
@@ -289,7 +313,7 @@ class Outbox:
             try:
                 with savepoint():
                     if fresh:
-                        self._insert_rows(conn, _same_columns([m.row for m in fresh]))
+                        self._insert_rows(conn, _same_columns([m.row for m in fresh]), leased)
             except exc.IntegrityError as error:
                 if getattr(getattr(error.orig, "diag", None), "constraint_name", None) != (
                     self.spec.idempotency_index

@@ -24,13 +24,18 @@ def _raw_queries() -> dict[str, str]:
 
 
 class Queries:
-    """The named queries, with ``{table}`` filled in (names were validated by the spec)."""
+    """The named queries, with ``{table}`` filled in (names were validated by the spec).
+
+    A query may use another one as a subquery, by its name in braces (``{other_query}``).
+    """
 
     def __init__(self, spec: OutboxTableSpec) -> None:
         self.spec = spec
         table = f'"{spec.schema}"."{spec.table}"'
+        raw = _raw_queries()
         self._compiled = {
-            name: sa.text(body.replace("{table}", table)) for name, body in _raw_queries().items()
+            name: sa.text(_expand(body, raw).replace("{table}", table))
+            for name, body in raw.items()
         }
 
     def __getitem__(self, name: str) -> sa.TextClause:
@@ -38,3 +43,9 @@ class Queries:
 
     def __contains__(self, name: str) -> bool:
         return name in self._compiled
+
+
+def _expand(body: str, raw: dict[str, str]) -> str:
+    for name, other in raw.items():
+        body = body.replace("{" + name + "}", other)
+    return body

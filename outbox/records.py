@@ -16,7 +16,7 @@ SAFE_PRODUCER_DEFAULTS: dict[str, Any] = {
     "acks": "all",
     "max.in.flight.requests.per.connection": 5,
     "compression.type": "lz4",
-    "linger.ms": 5,
+    "linger.ms": 1,
     # A missing topic fails its messages after 5 s (as unknown, a permanent error) instead of
     # waiting out the whole delivery timeout; topics are created ahead, not on the fly.
     "topic.metadata.propagation.max.ms": 5000,

@@ -1,8 +1,15 @@
-"""The relay loop: wait for work, lease a batch, publish it, record the outcome.
+"""The relay loop: read the next rows of idle shards, start sending them, record what ended.
 
-One thread does it all, in this order, so that shard ownership only ever changes between
-batches. Shutdown (SIGTERM/SIGINT) stops leasing, lets the batch in hand finish and be
-recorded, releases the shards and exits 0.
+The loop keeps Kafka and PostgreSQL busy at once: while one batch is on its way to Kafka, the
+outcome of the last one is recorded and the next one read. A shard has at most one batch in
+flight, and its next rows are read only after that batch's outcome is recorded: so nothing is
+sent twice by one relay, and a key's messages go in order, also across retries. The owned
+shards are read in two alternating halves, so that one half's rows are read while the other
+half's batch is in flight.
+
+Ownership changes only when nothing is in flight (the loop drains before each rebalance).
+Shutdown (SIGTERM/SIGINT) stops reading, lets the batches in flight finish and be recorded,
+releases the shards and exits 0.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ from relay.producers import (
     AtLeastOncePublisher,
     BatchPublisher,
     ExactlyOncePublisher,
+    InFlight,
 )
 from relay.progress import ensure_progress_topic
-from relay.store import Failure, Leased, RelayStore
+from relay.store import Failure, PendingRow, RelayStore
 from relay.wakeup import WakeUp
 
 log = logging.getLogger("outbox.relay")
@@ -52,16 +60,29 @@ MAX_ERROR_PAUSE = 10.0
 KAFKA_PROBE_TIMEOUT = 5.0
 #: Seconds before a relay takes back a shard whose producer could not go on.
 LOST_SHARD_HOLD_OFF = 5.0
+#: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
+WAIT_SLICE = 0.2
 
 
 class Relay:
     """One relay instance. ``run()`` blocks until :meth:`stop` (or a signal) and returns 0."""
 
-    def __init__(self, config: RelayConfig, metrics: RelayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: RelayConfig,
+        metrics: RelayMetrics | None = None,
+        *,
+        store: RelayStore | None = None,
+        publisher: BatchPublisher | None = None,
+    ) -> None:
+        """``store`` and ``publisher`` default to the real ones made from ``config``; tests
+        pass their own (a publisher standing in for Kafka, say)."""
         self.config = config
         self.owner = f"relay-{uuid.uuid4()}"
         self.engine = sender_engine(config.database_url, durable=False, pre_ping=False)
-        self.store = RelayStore(self.engine, config.spec, self.owner, config.delete_on_send)
+        self.store = store or RelayStore(
+            self.engine, config.spec, self.owner, config.delete_on_send
+        )
         self.metrics = metrics or RelayMetrics()
         # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
         # be resumed until its transaction times out, without the loop turning.
@@ -77,7 +98,12 @@ class Relay:
         self._conn: psycopg.Connection | None = None
         self._ownership: ShardOwnership | None = None
         self._wake: WakeUp | None = None
-        self._publisher: BatchPublisher | None = None
+        self._publisher: BatchPublisher | None = publisher
+        #: The rows of the batches in flight; the shards each batch holds, and when it began.
+        self._rows: dict[uuid.UUID, PendingRow] = {}
+        self._busy_shards: dict[InFlight, tuple[set[int], float]] = {}
+        #: Which half of the owned shards the next read starts with.
+        self._half = 0
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self.batches = 0
@@ -132,11 +158,11 @@ class Relay:
                 try:
                     self._connect()
                     self._maybe_rebalance()
-                    progressed = self._cycle()
+                    busy = self._step()
                     self.health.tick()
                     pause = 0.5
                     assert self._wake is not None
-                    if progressed:
+                    if busy:
                         # Busy: look again at once, and let writers commit without notifying.
                         self._wake.busy()
                     else:
@@ -172,40 +198,94 @@ class Relay:
 
     # -- the steps ---------------------------------------------------------------------------
 
-    def _cycle(self) -> bool:
-        """Lease one batch of the owned shards, publish it, record what happened.
+    def _step(self) -> bool:
+        """Record the batches that ended, start the next one if shards are idle, else wait for
+        one in flight. Returns whether there is work (False: idle, nothing in flight)."""
+        assert self._publisher is not None
+        self._settle(self._publisher.wait(0))
+        started = False if self._stop.is_set() else self._start_next()
+        if self._publisher.in_flight and not started:
+            self._settle(self._publisher.wait(WAIT_SLICE))
+        return started or self._publisher.in_flight > 0
 
-        Returns whether any message was settled (sent, retried later or dead).
+    def _start_next(self) -> bool:
+        """Read the next rows of idle shards and start sending them; False if there were none.
+
+        With a batch in flight, the read waits until half the owned shards are idle, and it
+        takes at most half of them: one half is read while the other is in flight.
         """
         assert self._ownership is not None and self._publisher is not None
-        shards = sorted(self._ownership.owned)
+        owned = sorted(self._ownership.owned)
+        busy = {shard for shards, _ in self._busy_shards.values() for shard in shards}
+        idle = [shard for shard in owned if shard not in busy]
+        half = max(1, (len(owned) + 1) // 2)
+        if not idle or (busy and len(idle) < half):
+            return False
+        if len(owned) > 1 and len(idle) > half:
+            # Alternate halves, so that the two batches in flight keep to their own shards.
+            first = [s for s in idle if (owned.index(s) < half) == (self._half == 0)]
+            idle = (first or idle)[:half]
+            self._half ^= 1
         started = time.monotonic()
-        batch = self.store.lease_batch(shards, self.config.batch_size, self.config.lease_seconds)
+        batch = self.store.read_batch(idle, self.config.batch_size, self._conn)
         if not batch:
             self.health.batch_done(progressed=True)  # nothing to send is not being stuck
             return False
-        records = [leased.record for leased in batch if leased.record is not None]
-        result = self._publisher.publish(records)
-        acked_at = datetime.now(UTC)
-        failures = [
-            Failure(leased.id, UNDECODABLE, leased.problem or UNDECODABLE, None)
-            for leased in batch
-            if leased.record is None
+        undecodable = [
+            Failure(row.id, UNDECODABLE, row.problem or UNDECODABLE, None)
+            for row in batch
+            if row.record is None
         ]
-        by_id = {leased.id: leased for leased in batch}
-        for record_id, error in result.errors.items():
-            failures.append(self._failure(by_id[record_id], classify(error), error.str()))
-        self.store.record_outcome(result.acks, failures)
-        self.store.release(result.not_attempted)
-        if result.lost_shards:
+        if undecodable:
+            self.store.record_outcome([], undecodable, owner_connection=self._conn)
+            self._observe_failures(undecodable, {row.id: "?" for row in batch})
+        records = [row.record for row in batch if row.record is not None]
+        if not records:
+            return True
+        for row in batch:
+            if row.record is not None:
+                self._rows[row.id] = row
+        for flight in self._publisher.start(records):
+            self._busy_shards[flight] = ({record.shard for record in flight.records}, started)
+        self.metrics.batch_size.observe(len(batch))
+        return True
+
+    def _settle(self, flights: Sequence[InFlight]) -> bool:
+        """Record the outcome of batches that ended, in one statement where possible."""
+        # Batches of a connection that was lost meanwhile are forgotten: their rows are read
+        # again (or, exactly-once, marked from the progress record by the next owner).
+        flights = [flight for flight in flights if flight in self._busy_shards]
+        if not flights:
+            return False
+        assert self._publisher is not None and self._ownership is not None
+        acked_at = datetime.now(UTC)
+        records = [record for flight in flights for record in flight.records]
+        acks: list[Ack] = []
+        failures: list[Failure] = []
+        lost_shards: list[int] = []
+        gaps: list[uuid.UUID] = []
+        for flight in flights:
+            result = flight.result
+            acks.extend(result.acks)
+            for record_id, error in result.errors.items():
+                failures.append(self._failure(self._rows[record_id], classify(error), error.str()))
+            lost_shards.extend(result.lost_shards)
+            gaps.extend(order_gaps(flight.records, result, lambda e: classify(e) == RETRIABLE))
+        # Rows not attempted (a shutdown, an aborted transaction) are still pending, untouched:
+        # they are read again.
+        self.store.record_outcome(acks, failures, owner_connection=self._conn)
+        now = time.monotonic()
+        for flight in flights:
+            _, began = self._busy_shards.pop(flight, (set(), now))
+            self.metrics.batch_seconds.observe(now - began)
+        if lost_shards:
             # Unlocked, not just forgotten: the advisory lock is re-entrant, so a shard locked
             # again later while still held would stay locked after the next release. Not taken
             # back here for a while: its take-over may block while Kafka is unwell, and another
             # relay may serve it meanwhile.
-            log.warning("letting go of shards %s: their producer cannot go on", result.lost_shards)
-            self._publisher.let_go(result.lost_shards)
-            self._ownership.release(result.lost_shards, hold_off=LOST_SHARD_HOLD_OFF)
-        gaps = order_gaps(records, result, lambda error: classify(error) == RETRIABLE)
+            log.warning("letting go of shards %s: their producer cannot go on", lost_shards)
+            self._publisher.let_go(lost_shards)
+            self._ownership.release(lost_shards, hold_off=LOST_SHARD_HOLD_OFF)
         if gaps:
             self.metrics.order_gaps.inc(len(gaps))
             log.error(
@@ -213,33 +293,43 @@ class Relay:
                 len(gaps),
                 extra={"message_ids": [str(g) for g in gaps]},
             )
-        self.health.batch_done(progressed=bool(result.acks or failures) or self._stop.is_set())
-        if result.acks:
+        self.health.batch_done(progressed=bool(acks or failures) or self._stop.is_set())
+        if acks:
             self.health.kafka_ok = True
-        self._observe(batch, records, result.acks, failures, acked_at, time.monotonic() - started)
-        self.batches += 1
-        return bool(result.acks or failures)
+        self._observe(records, acks, failures, acked_at)
+        for record in records:
+            self._rows.pop(record.id, None)
+        self.batches += len(flights)
+        return True
 
-    def _failure(self, leased: Leased, kind: str, error: str) -> Failure:
-        if kind == RETRIABLE and not self.config.retry.gives_up(leased.attempts):
-            return Failure(leased.id, RETRIABLE, error, self.config.retry.delay(leased.attempts))
-        return Failure(leased.id, ATTEMPTS_EXHAUSTED if kind == RETRIABLE else kind, error, None)
+    def _drain(self) -> None:
+        """Wait for every batch in flight and record it (before ownership changes)."""
+        assert self._publisher is not None
+        while self._publisher.in_flight:
+            self._settle(self._publisher.wait(WAIT_SLICE))
+
+    def _failure(self, row: PendingRow, kind: str, error: str) -> Failure:
+        if kind == RETRIABLE and not self.config.retry.gives_up(row.attempts):
+            return Failure(row.id, RETRIABLE, error, self.config.retry.delay(row.attempts))
+        return Failure(row.id, ATTEMPTS_EXHAUSTED if kind == RETRIABLE else kind, error, None)
 
     def _observe(
         self,
-        batch: Sequence[Leased],
         records: Sequence[OutboxRecord],
         acks: Sequence[Ack],
         failures: Sequence[Failure],
         acked_at: datetime,
-        seconds: float,
     ) -> None:
         topics = {record.id: record.topic for record in records}
-        created = {leased.id: leased.created_at for leased in batch}
         for topic, count in Counter(topics[a.id] for a in acks).items():
             self.metrics.published.labels(topic).inc(count)
         for ack in acks:
-            self.metrics.commit_to_ack.observe((acked_at - created[ack.id]).total_seconds())
+            row = self._rows.get(ack.id)
+            if row is not None:
+                self.metrics.commit_to_ack.observe((acked_at - row.created_at).total_seconds())
+        self._observe_failures(failures, topics)
+
+    def _observe_failures(self, failures: Sequence[Failure], topics: dict[uuid.UUID, str]) -> None:
         for failure in failures:
             topic = topics.get(failure.id, "?")
             if failure.delay is None:
@@ -257,8 +347,6 @@ class Relay:
                     failure.error,
                     extra={"message_id": str(failure.id), "topic": topic},
                 )
-        self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_seconds.observe(seconds)
 
     def _give_up_watch(self) -> None:
         """A relay that cannot publish must not watch for the others (they would only poll)."""
@@ -295,6 +383,8 @@ class Relay:
             keepalives_interval=2,
             keepalives_count=3,
             application_name=self.owner[:63],
+            # The batch reads run here too (see RelayStore.read_batch): planned per statement.
+            options="-c plan_cache_mode=force_custom_plan -c jit=off",
         )
         # The server, too, should notice a vanished relay quickly and drop its locks.
         self._conn.execute("SET tcp_keepalives_idle = 5")
@@ -337,6 +427,7 @@ class Relay:
         if now < self._next_rebalance:
             return
         assert self._ownership is not None and self._publisher is not None
+        self._drain()  # a shard changes hands only with no batch of it in flight
         self._next_rebalance = now + self.config.rebalance_interval
         self._publisher.serve_events()
         if not self._ownership.joined:
@@ -391,6 +482,14 @@ class Relay:
     def _lost_database(self, error: Exception) -> None:
         log.error("database unreachable: %s", mask_secrets(str(error).splitlines()[0]))
         self.health.database_ok = False
+        if self._publisher is not None and self._busy_shards:
+            # The shards' locks went with the connection: another relay may take them over and
+            # send the same rows. Stop sending what is still unacknowledged; the rows of the
+            # batches in flight stay pending, to be read again by whoever owns them next.
+            self._publisher.stop_sending()
+            self._publisher.wait(0)
+        self._busy_shards.clear()
+        self._rows.clear()
         if self._ownership is not None:
             lost = self._ownership.forget()
             if lost and self._publisher is not None:
@@ -404,6 +503,11 @@ class Relay:
 
     def _shutdown(self) -> None:
         released: list[int] = []
+        try:
+            if self._publisher is not None and self._busy_shards:
+                self._drain()  # give_up (half the shutdown timeout) cuts it short
+        except Exception as error:  # the rows stay pending: the next owner sends them
+            log.warning("batches in flight at shutdown not recorded: %s", error)
         try:
             if self._ownership is not None and self._conn is not None and not self._conn.closed:
                 released = self._ownership.release_all()

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaError
 
+from outbox.rows import UNDECODABLE
+
+__all__ = ["ATTEMPTS_EXHAUSTED", "RETRIABLE", "UNDECODABLE", "RetryPolicy", "classify"]
+
 # Errors no retry can cure: the row goes straight to the dead state with the reason.
 PERMANENT_ERRORS: dict[int, str] = {
     KafkaError.MSG_SIZE_TOO_LARGE: "message_too_large",
@@ -25,8 +29,6 @@ PERMANENT_ERRORS: dict[int, str] = {
     KafkaError._INVALID_ARG: "invalid_record",
 }
 
-#: error_kind of a row the relay cannot even turn into a Kafka record.
-UNDECODABLE = "undecodable"
 RETRIABLE = "retriable"
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
+from outbox.flights import IdempotentSender
 from outbox.records import OutboxRecord
+from outbox.schema import SHARD_COUNT
 from outbox.sending import Ack, BatchResult, kafka_error_of, produce_batch, sending_config
 from relay.progress import encode_progress, last_committed
 
@@ -27,7 +31,21 @@ TRANSACTION_MARGIN_MS = 30_000
 MAX_TRANSACTION_MS = 900_000
 
 
+class InFlight(Protocol):
+    """A batch started on a publisher; ``result`` is valid once ``done()``."""
+
+    @property
+    def records(self) -> Sequence[OutboxRecord]: ...
+
+    @property
+    def result(self) -> BatchResult: ...
+
+    def done(self) -> bool: ...
+
+
 class BatchPublisher(Protocol):
+    """What the relay's loop needs of Kafka (at-least-once or exactly-once)."""
+
     def check_reachable(self, timeout: float) -> None:
         """Raise KafkaException unless a broker answers a metadata request in time."""
         ...
@@ -40,13 +58,41 @@ class BatchPublisher(Protocol):
 
     def let_go(self, shards: Sequence[int]) -> None: ...
 
-    def publish(self, records: Sequence[OutboxRecord]) -> BatchResult: ...
+    def start(self, records: Sequence[OutboxRecord]) -> list[InFlight]:
+        """Start sending ``records`` (of shards with nothing else in flight)."""
+        ...
+
+    def wait(self, timeout: float) -> list[InFlight]:
+        """Wait up to ``timeout`` seconds for a batch to end; return those that ended."""
+        ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def stop_sending(self) -> None:
+        """This relay lost its shards: stop what is in flight where that can be stopped."""
+        ...
 
     def close(self) -> None: ...
 
 
+def publish(publisher: BatchPublisher, records: Sequence[OutboxRecord]) -> BatchResult:
+    """Send ``records`` and wait for every outcome (stop-and-wait): one merged result."""
+    flights = publisher.start(records)
+    while not all(flight.done() for flight in flights):
+        publisher.wait(1.0)
+    merged = BatchResult()
+    for flight in flights:
+        merged.acks.extend(flight.result.acks)
+        merged.errors.update(flight.result.errors)
+        merged.not_attempted.extend(flight.result.not_attempted)
+        merged.lost_shards.extend(flight.result.lost_shards)
+    return merged
+
+
 class AtLeastOncePublisher:
-    """One idempotent producer (acks=all) for every shard this relay owns."""
+    """One idempotent producer (acks=all) for every shard this relay owns, with several
+    batches in flight on it (see :mod:`outbox.flights`)."""
 
     def __init__(
         self,
@@ -54,19 +100,15 @@ class AtLeastOncePublisher:
         delivery_timeout_ms: int,
         give_up: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.delivery_timeout = delivery_timeout_ms / 1000
-        self.give_up = give_up
-        self.config = {**sending_config(kafka_config, delivery_timeout_ms), "logger": KAFKA_LOG}
-        self.producer = Producer(self.config)
+        self.sender = IdempotentSender(
+            kafka_config, delivery_timeout_ms, give_up, extra_config={"logger": KAFKA_LOG}
+        )
 
     def check_reachable(self, timeout: float) -> None:
-        try:
-            self.producer.list_topics(timeout=timeout)
-        finally:
-            self.serve_events()
+        self.sender.check_reachable(timeout)
 
     def serve_events(self) -> None:
-        self.producer.poll(0)
+        self.sender.serve_events()
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
         return []
@@ -74,34 +116,29 @@ class AtLeastOncePublisher:
     def let_go(self, shards: Sequence[int]) -> None:
         return None
 
-    def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
-        result = BatchResult()
-        try:
-            produce_batch(self.producer, records, result, self.delivery_timeout, self.give_up)
-        except (KafkaException, SystemError) as exc:
-            error = kafka_error_of(exc)
-            if error is None:
-                raise
-            # Cut short: rows without a report go back to pending, to be sent again.
-            settled = {ack.id for ack in result.acks} | set(result.errors)
-            result.not_attempted.extend(r.id for r in records if r.id not in settled)
-            self._replace_if_fatal(error)
-            return result
-        for error in result.errors.values():
-            if self._replace_if_fatal(error):
-                break
-        return result
+    @property
+    def producer(self) -> Producer:
+        return self.sender.producer
 
-    def _replace_if_fatal(self, error: KafkaError) -> bool:
-        """A fatal error leaves the idempotent producer unusable: start a new one."""
-        if not error.fatal():
-            return False
-        log.warning("the idempotent producer failed for good (%s); starting a new one", error)
-        self.producer = Producer(self.config)
-        return True
+    def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
+        """Send ``records`` and wait for every outcome (stop-and-wait)."""
+        return self.sender.publish(records)
+
+    def start(self, records: Sequence[OutboxRecord]) -> list[InFlight]:
+        return [self.sender.start(records)]
+
+    def wait(self, timeout: float) -> list[InFlight]:
+        return list(self.sender.wait(timeout))
+
+    @property
+    def in_flight(self) -> int:
+        return self.sender.in_flight
+
+    def stop_sending(self) -> None:
+        self.sender.purge()
 
     def close(self) -> None:
-        self.producer.flush(30)
+        self.sender.close()
 
 
 class Outcome(Enum):
@@ -149,7 +186,9 @@ class ExactlyOncePublisher:
         # A transaction must outlive the deliveries inside it (librdkafka insists).
         self.transaction_timeout_ms = delivery_timeout_ms + TRANSACTION_MARGIN_MS
         self.producers: dict[int, Producer] = {}
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="outbox-eos")
+        self._flights: list[ShardFlight] = []
+        # A thread per shard: every owned shard can have its transaction open at once.
+        self._pool = ThreadPoolExecutor(max_workers=SHARD_COUNT, thread_name_prefix="outbox-eos")
         consumer_config = {
             key: value
             for key, value in self.kafka_config.items()
@@ -208,18 +247,36 @@ class ExactlyOncePublisher:
             if producer is not None:
                 producer.flush(5)
 
-    def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
+    def start(self, records: Sequence[OutboxRecord]) -> list[InFlight]:
+        """One Kafka transaction per shard, each in a thread of its own."""
         by_shard: dict[int, list[OutboxRecord]] = {}
         for record in records:
             by_shard.setdefault(record.shard, []).append(record)
-        results = list(self._pool.map(lambda item: self._one_shard(*item), by_shard.items()))
-        merged = BatchResult()
-        for result in results:
-            merged.acks.extend(result.acks)
-            merged.errors.update(result.errors)
-            merged.not_attempted.extend(result.not_attempted)
-            merged.lost_shards.extend(result.lost_shards)
-        return merged
+        flights = [
+            ShardFlight(batch, self._pool.submit(self._one_shard, shard, batch))
+            for shard, batch in by_shard.items()
+        ]
+        self._flights.extend(flights)
+        return list(flights)
+
+    def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
+        """Send ``records`` and wait for every shard's transaction (stop-and-wait)."""
+        return publish(self, records)
+
+    def wait(self, timeout: float) -> list[InFlight]:
+        if not self._flights:
+            return []
+        futures.wait([f.future for f in self._flights], timeout, futures.FIRST_COMPLETED)
+        ended = [f for f in self._flights if f.done()]
+        self._flights = [f for f in self._flights if not f.done()]
+        return list(ended)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    def stop_sending(self) -> None:
+        """Nothing to do: a take-over fences this relay's transactional producers."""
 
     def _one_shard(self, shard: int, records: list[OutboxRecord]) -> BatchResult:
         """One Kafka transaction: the records and the shard's progress record, or nothing."""
@@ -231,7 +288,7 @@ class ExactlyOncePublisher:
         try:
             producer.begin_transaction()
         except KafkaException as exc:
-            return self._lost(shard, records, result, exc.args[0])
+            return self._lost(shard, producer, records, result, exc.args[0])
         # After this the coordinator aborts the transaction by itself: no use resuming a call.
         expires = time.monotonic() + self.transaction_timeout_ms / 1000
         try:
@@ -262,7 +319,7 @@ class ExactlyOncePublisher:
         if outcome is Outcome.COMMITTED:
             return result
         if outcome is Outcome.LOST:
-            return self._lost(shard, records, result, None)
+            return self._lost(shard, producer, records, result, None)
         # Aborted: the rows that failed keep their error (retry, dead); the rest go again.
         result.acks.clear()
         result.not_attempted = [r.id for r in records if r.id not in result.errors]
@@ -297,6 +354,7 @@ class ExactlyOncePublisher:
     def _lost(
         self,
         shard: int,
+        producer: Producer,
         records: list[OutboxRecord],
         result: BatchResult,
         error: KafkaError | None,
@@ -304,7 +362,8 @@ class ExactlyOncePublisher:
         """This producer cannot go on: the batch is released and the shard let go."""
         if error is not None:
             log.warning("shard %d: transactional producer cannot go on: %s", shard, error)
-        self.producers.pop(shard, None)
+        if self.producers.get(shard) is producer:  # not a newer producer of a take-over
+            self.producers.pop(shard, None)
         result.acks.clear()
         result.errors.clear()
         result.not_attempted = [r.id for r in records]
@@ -312,8 +371,24 @@ class ExactlyOncePublisher:
         return result
 
     def close(self) -> None:
+        futures.wait([f.future for f in self._flights])
         for producer in self.producers.values():
             producer.flush(10)
         self.producers.clear()
         self._pool.shutdown(wait=True)
         self._consumer.close()
+
+
+@dataclass(eq=False)
+class ShardFlight:
+    """One shard's Kafka transaction, running in the publisher's thread pool."""
+
+    records: Sequence[OutboxRecord]
+    future: Future[BatchResult]
+
+    @property
+    def result(self) -> BatchResult:
+        return self.future.result()
+
+    def done(self) -> bool:
+        return self.future.done()

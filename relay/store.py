@@ -3,153 +3,92 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from collections.abc import Sequence
 
+import psycopg
 import sqlalchemy as sa
+from psycopg.rows import dict_row
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from outbox.engines import sender_engine
-from outbox.queries import Queries
-from outbox.records import OutboxRecord
+from outbox.rows import Failure, OutboxRows, PendingRow, pending_row
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
-from relay.policy import UNDECODABLE
+
+__all__ = ["Failure", "PendingRow", "RelayStore"]
 
 
-@dataclass(frozen=True)
-class Leased:
-    """A leased row: the record to produce, or why it cannot be one."""
+class RelayStore(OutboxRows):
+    """Named queries of ``outbox/sql/queries.sql`` run for one relay (``name``).
 
-    id: uuid.UUID
-    shard: int
-    attempts: int
-    created_at: datetime
-    record: OutboxRecord | None
-    problem: str | None = None
-
-
-@dataclass(frozen=True)
-class Failure:
-    id: uuid.UUID
-    kind: str
-    error: str
-    delay: float | None  # seconds until the next attempt; None makes the row dead
-
-
-class RelayStore:
-    """Named queries of ``outbox/sql/queries.sql`` run for one relay (``owner``)."""
+    The relay writes nothing to a row before it is sent: the shard's advisory lock makes it the
+    only relay reading the shard, and immediate senders lease their rows when they write them.
+    """
 
     def __init__(
-        self, engine: sa.Engine, spec: OutboxTableSpec, owner: str, delete_on_send: bool = False
+        self, engine: sa.Engine, spec: OutboxTableSpec, name: str, delete_on_send: bool = False
     ) -> None:
+        super().__init__(engine.url, spec, owner=None, delete_on_send=delete_on_send)
         self.engine = engine
-        # Marking joins the table to arrays of the batch's ids: hash joins only (see
-        # outbox.engines.hash_joins_only), set once per session instead of per transaction.
-        self.marking_engine = sender_engine(engine.url, nested_loops=False)
-        self.delete_on_send = delete_on_send
-        self.queries = Queries(spec)
-        self.owner = owner
+        self.name = name
+        self._compiled: dict[str, str] = {}
 
-    def lease_batch(
-        self, shards: Sequence[int], batch_size: int, lease_seconds: float
-    ) -> list[Leased]:
-        """Lease the next rows of ``shards`` in order, then drop any that would overtake an
-        earlier row of their key held elsewhere (possible only while shards change hands)."""
+    def read_batch(
+        self,
+        shards: Sequence[int],
+        batch_size: int,
+        owner_connection: psycopg.Connection | None = None,
+    ) -> list[PendingRow]:
+        """The next rows of ``shards`` that may go now, in order (one statement).
+
+        The relay reads on ``owner_connection``, the session that holds the shards' advisory
+        locks: a relay whose session is gone (and its shards with it) can read nothing more.
+        """
         if not shards:
             return []
         window = max(100, 2 * batch_size // len(shards))
-        with self._autocommit(self.engine) as conn:  # one statement: one round trip
-            rows = (
-                conn.execute(
-                    self.queries["lease_batch"],
-                    {
-                        "shards": list(shards),
-                        "window": window,
-                        "batch_size": batch_size,
-                        "owner": self.owner,
-                        "lease_seconds": lease_seconds,
-                    },
-                )
-                .mappings()
-                .all()
-            )
-        if not rows:
-            return []
-        ids = [row["id"] for row in rows]
-        with self._autocommit(self.engine) as conn:
-            blocked = set(
-                conn.execute(
-                    self.queries["leased_behind_earlier"],
-                    {"ids": ids, "owner": self.owner, "reach": window},
-                ).scalars()
-            )
-            if blocked:
-                conn.execute(self.queries["release"], {"ids": list(blocked), "owner": self.owner})
-        return [
-            _leased(row) for row in sorted(rows, key=lambda r: r["seq"]) if row["id"] not in blocked
-        ]
+        params = {"shards": list(shards), "window": window, "batch_size": batch_size}
+        if owner_connection is not None:
+            with owner_connection.cursor(row_factory=dict_row) as cursor:
+                cursor.execute(self._read_batch_sql, params)
+                return [pending_row(row) for row in cursor.fetchall()]
+        with self.autocommit(self.engine) as conn:
+            rows = conn.execute(self.queries["read_batch"], params).mappings()
+            return [pending_row(row) for row in rows]
 
-    def record_outcome(self, acks: Sequence[Ack], failures: Sequence[Failure]) -> None:
-        """Mark acknowledged rows sent and failed ones for retry or dead, in one transaction."""
-        retry = [f for f in failures if f.delay is not None]
-        dead = [f for f in failures if f.delay is None]
-        statements: list[tuple[str, dict[str, Any]]] = []
-        if acks and self.delete_on_send:
-            statements.append(("delete_sent", {"ids": [a.id for a in acks]}))
-        elif acks:
-            statements.append(
-                (
-                    "mark_sent",
-                    {
-                        "ids": [a.id for a in acks],
-                        "partitions": [a.partition for a in acks],
-                        "offsets": [a.offset for a in acks],
-                    },
-                )
-            )
-        if retry:
-            statements.append(
-                (
-                    "mark_retry",
-                    {
-                        "ids": [f.id for f in retry],
-                        "delays": [f.delay for f in retry],
-                        "kinds": [f.kind for f in retry],
-                        "errors": [f.error[:2000] for f in retry],
-                    },
-                )
-            )
-        if dead:
-            statements.append(
-                (
-                    "mark_dead",
-                    {
-                        "ids": [f.id for f in dead],
-                        "kinds": [f.kind for f in dead],
-                        "errors": [f.error[:2000] for f in dead],
-                    },
-                )
-            )
-        if not statements:
+    def record_outcome(
+        self,
+        acks: Sequence[Ack],
+        failures: Sequence[Failure] = (),
+        released: Sequence[uuid.UUID] = (),
+        owner_connection: psycopg.Connection | None = None,
+    ) -> None:
+        """Record what Kafka said, on ``owner_connection`` when given: the session that holds
+        the rows' shards, so that a relay which lost them (and its session) records nothing
+        over what their next owner does."""
+        if owner_connection is None:
+            super().record_outcome(acks, failures, released)
             return
-        # The usual batch is all sent: one statement, run without BEGIN/COMMIT round trips.
-        scope = (
-            self._autocommit(self.marking_engine)
-            if len(statements) == 1
-            else self.marking_engine.begin()
-        )
-        with scope as conn:
-            for name, params in statements:
-                conn.execute(self.queries[name], {**params, "owner": self.owner})
+        assert not released, "the relay leases nothing to release"
+        statements = self._outcome_statements(acks, failures)
+        if len(statements) == 1:  # the usual batch, all sent: one round trip in autocommit
+            name, params = statements[0]
+            owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
+            return
+        with owner_connection.pipeline(), owner_connection.transaction():
+            for name, params in statements:  # sent together: one round trip
+                owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
 
-    def release(self, ids: Sequence[uuid.UUID]) -> None:
-        """Give leased rows back untouched (shutdown, or a batch not attempted)."""
-        if ids:
-            with self.engine.begin() as conn:
-                conn.execute(self.queries["release"], {"ids": list(ids), "owner": self.owner})
+    @property
+    def _read_batch_sql(self) -> str:
+        return self._psycopg_sql("read_batch")
+
+    def _psycopg_sql(self, name: str) -> str:
+        """A named query as psycopg's own SQL (``%(name)s`` placeholders), compiled once."""
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+            compiled = self._compiled[name] = str(self.queries[name].compile(dialect=dialect))
+        return compiled
 
     def mark_committed(self, acks: Sequence[Ack]) -> int:
         """Exactly-once recovery: mark rows whose Kafka transaction is known committed."""
@@ -171,10 +110,10 @@ class RelayStore:
         return int(result.rowcount)
 
     def break_leases(self, shards: Sequence[int]) -> int:
-        """A new owner of ``shards`` takes back what earlier relay owners had leased."""
+        """A new owner of ``shards`` frees rows that relays of earlier versions had leased."""
         with self.engine.begin() as conn:
             result = conn.execute(
-                self.queries["break_relay_leases"], {"shards": list(shards), "owner": self.owner}
+                self.queries["break_relay_leases"], {"shards": list(shards), "owner": self.name}
             )
         return int(result.rowcount)
 
@@ -183,28 +122,3 @@ class RelayStore:
         with self.engine.connect() as conn:
             query = self.queries["oldest_pending"]
             return float(conn.execute(query, {"shard_count": SHARD_COUNT}).scalar_one())
-
-    def close(self) -> None:
-        self.marking_engine.dispose()
-
-    @staticmethod
-    @contextmanager
-    def _autocommit(engine: sa.Engine) -> Iterator[sa.Connection]:
-        with engine.connect() as conn:
-            yield conn.execution_options(isolation_level="AUTOCOMMIT")
-
-
-def _leased(row: Any) -> Leased:
-    try:
-        record: OutboxRecord | None = OutboxRecord.from_row(dict(row))
-        problem = None
-    except (ValueError, TypeError, UnicodeError) as error:
-        record, problem = None, f"{UNDECODABLE}: {error}"
-    return Leased(
-        id=row["id"],
-        shard=row["shard"],
-        attempts=row["attempts"],
-        created_at=row["created_at"],
-        record=record,
-        problem=problem,
-    )

@@ -1,27 +1,16 @@
 -- Named queries on the outbox table. Each starts with `-- name: <name>` and a line saying what
 -- it does. {table} is the validated, schema-qualified table name; :params are bind parameters.
 
--- name: lease_ids
--- Lease the given pending rows to one sender; rows another sender holds are left alone.
-UPDATE {table}
-   SET lease_owner = :owner,
-       lease_until = now() + make_interval(secs => :lease_seconds)
- WHERE id = ANY(:ids)
-   AND status = 'pending'
-   AND (lease_until IS NULL OR lease_until < now())
-   AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-RETURNING id, seq, shard, topic, key, value, content_type, header_names, header_values, created_at,
-          generation;
-
 -- name: leased_behind_earlier
--- Of the rows this sender leased, those that may not go yet: their key has an earlier pending
--- row that the sender does not hold, so sending them now would overtake it. A row backing off
+-- Of the rows of an immediate sender's batch (:ids), those that may not go yet: their key has
+-- an earlier pending row that is not in this batch under the sender's live lease (a row of
+-- another sender or of the relay, one being retried, one of this sender's own that waits in
+-- its queue or whose lease ran out), so sending them now could overtake it. A row backing off
 -- is found through the retry index. Other earlier rows are searched shard by shard along the
--- pending index, the way lease_batch walks it (rows backing off, and the rows of their keys
+-- pending index, the way read_batch walks it (rows backing off, and the rows of their keys
 -- behind them, are passed over), at most :reach of them per shard. A search that stops at
 -- :reach rows holds back, too, every keyed row of the shard beyond where it stopped: the
--- backlog is deeper than was searched, and the relay sends it in order. The relay's :reach is
--- its lease window, which the rows it leased never lie beyond.
+-- backlog is deeper than was searched, and the relay sends it in order.
 WITH mine AS (
     SELECT id, shard, seq, topic, key
       FROM {table}
@@ -40,7 +29,8 @@ elsewhere AS (
            SELECT q.shard, q.seq, q.topic, q.key
              FROM {table} AS q
             WHERE q.status = 'pending' AND q.shard = r.shard AND q.seq < r.seq
-              AND q.lease_owner IS DISTINCT FROM :owner
+              AND NOT coalesce(q.id = ANY(CAST(:ids AS uuid[])) AND q.lease_owner = :owner
+                               AND q.lease_until > now(), false)
               AND (q.next_attempt_at IS NULL OR q.next_attempt_at <= now())
               AND (NOT b.backing_off OR q.key IS NULL OR NOT EXISTS (
                   SELECT 1
@@ -71,6 +61,25 @@ SELECT m.id
         WHERE f.status = 'pending' AND f.next_attempt_at > now()
           AND f.shard = m.shard AND f.topic = m.topic AND f.key = m.key AND f.seq < m.seq);
 
+-- name: clear_to_send
+-- Immediate send: of the rows this sender leased when they were written, those it may send now,
+-- oldest first, with the seconds left on their lease. Rows behind an earlier pending row of
+-- their key that the sender does not hold (see leased_behind_earlier) are released to the
+-- relay in the same statement.
+WITH blocked AS ({leased_behind_earlier}),
+released AS (
+    UPDATE {table}
+       SET lease_owner = NULL, lease_until = NULL
+     WHERE id IN (SELECT id FROM blocked) AND lease_owner = :owner
+    RETURNING id)
+SELECT id, seq, shard, topic, key, value, content_type, header_names, header_values, attempts,
+       created_at, generation, extract(epoch FROM lease_until - now()) AS lease_left
+  FROM {table}
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND lease_owner = :owner AND status = 'pending'
+   AND lease_until > now()
+   AND id NOT IN (SELECT id FROM blocked)  -- (the release runs whether or not it is read)
+ ORDER BY seq;
+
 -- name: release
 -- Give leased rows back, untouched, for the relay to send.
 UPDATE {table}
@@ -78,7 +87,9 @@ UPDATE {table}
  WHERE id = ANY(:ids) AND lease_owner = :owner;
 
 -- name: mark_sent
--- Record Kafka's acknowledgement (partition, offset) of leased rows.
+-- Record Kafka's acknowledgement (partition, offset) of pending rows, of the generation that was
+-- sent (a row requeued by repair meanwhile must go again). :owner, when given, is the immediate
+-- sender that leased the rows; the relay passes NULL: it owns the rows' shards.
 UPDATE {table} AS o
    SET status = 'sent',
        sent_at = now(),
@@ -89,15 +100,19 @@ UPDATE {table} AS o
        lease_until = NULL,
        error_kind = NULL,
        last_error = NULL
-  FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]))
-       AS acked (id, kafka_partition, kafka_offset)
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:partitions AS int[]), CAST(:offsets AS bigint[]),
+              CAST(:generations AS int[]))
+       AS acked (id, kafka_partition, kafka_offset, generation)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
-   AND o.id = acked.id AND o.lease_owner = :owner;
+   AND o.id = acked.id AND o.status = 'pending' AND o.generation = acked.generation
+   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner);
 
 -- name: delete_sent
--- Keep-nothing retention: drop leased rows once Kafka acknowledged them.
+-- Keep-nothing retention: drop pending rows once Kafka acknowledged them (:owner as in
+-- mark_sent).
 DELETE FROM {table}
- WHERE id = ANY(:ids) AND lease_owner = :owner;
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'pending'
+   AND (CAST(:owner AS text) IS NULL OR lease_owner = :owner);
 
 -- name: purge_sent
 -- Delete one batch of sent rows created and sent before the cutoff (the UUIDv7 id bounds
@@ -115,15 +130,16 @@ DELETE FROM {table} AS o
  USING doomed
  WHERE o.id = doomed.id;
 
--- name: lease_batch
--- Lease up to :batch_size pending rows of the given shards, oldest first, for the relay.
--- A key whose earliest pending row cannot go now (backing off before a retry, or leased by
--- another sender) is held back from that row on: later messages never overtake it.
+-- name: read_batch
+-- The next rows of the given shards that may go now, oldest first, for the relay that owns the
+-- shards (it holds their advisory locks, so no row is written to keep other relays away).
+-- A key whose earliest pending row cannot go now (backing off before a retry, or leased by an
+-- immediate sender) is held back from that row on: later messages never overtake it.
 -- Each shard's window is its first :window rows that could go: rows backing off, and the rows
 -- of their keys behind them, are passed over (one probe of the small retry index per row), so
 -- that a key with a deep backlog behind a failing message never fills the window by itself.
 WITH window_rows AS (
-    SELECT o.id, o.seq, o.topic, o.key, o.lease_owner, o.lease_until
+    SELECT o.*
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
      CROSS JOIN LATERAL (
            SELECT EXISTS (
@@ -131,7 +147,8 @@ WITH window_rows AS (
                    WHERE f.status = 'pending' AND f.next_attempt_at > now()
                      AND f.shard = s.shard) AS backing_off) AS r
      CROSS JOIN LATERAL (
-           SELECT p.id, p.seq, p.topic, p.key, p.lease_owner, p.lease_until
+           SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type, p.header_names,
+                  p.header_values, p.attempts, p.created_at, p.generation, p.lease_until
              FROM {table} AS p
             WHERE p.status = 'pending' AND p.shard = s.shard
               AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
@@ -148,26 +165,16 @@ WITH window_rows AS (
 blockers AS (
     SELECT topic, key, min(seq) AS seq
       FROM window_rows
-     WHERE key IS NOT NULL
-       AND lease_until > now() AND lease_owner IS DISTINCT FROM :owner
-     GROUP BY topic, key),
-chosen AS (
-    SELECT w.id
-      FROM window_rows AS w
-      LEFT JOIN blockers AS b ON b.topic = w.topic AND b.key = w.key
-     WHERE (w.lease_until IS NULL OR w.lease_until <= now() OR w.lease_owner = :owner)
-       AND (b.seq IS NULL OR w.seq < b.seq)
-     ORDER BY w.seq
-     LIMIT :batch_size)
-UPDATE {table} AS o
-   SET lease_owner = :owner,
-       lease_until = now() + make_interval(secs => :lease_seconds)
-  FROM chosen
- WHERE o.id = chosen.id
-   AND o.status = 'pending'
-   AND (o.lease_until IS NULL OR o.lease_until <= now() OR o.lease_owner = :owner)
-RETURNING o.id, o.seq, o.shard, o.topic, o.key, o.value, o.content_type, o.header_names,
-          o.header_values, o.attempts, o.created_at, o.generation;
+     WHERE key IS NOT NULL AND lease_until > now()
+     GROUP BY topic, key)
+SELECT w.id, w.seq, w.shard, w.topic, w.key, w.value, w.content_type, w.header_names,
+       w.header_values, w.attempts, w.created_at, w.generation
+  FROM window_rows AS w
+  LEFT JOIN blockers AS b ON b.topic = w.topic AND b.key = w.key
+ WHERE (w.lease_until IS NULL OR w.lease_until <= now())
+   AND (b.seq IS NULL OR w.seq < b.seq)
+ ORDER BY w.seq
+ LIMIT :batch_size;
 
 -- name: mark_retry
 -- Record a failed attempt: back off until next_attempt_at, keep the error, give the row back.
@@ -181,7 +188,8 @@ UPDATE {table} AS o
   FROM unnest(CAST(:ids AS uuid[]), CAST(:delays AS float8[]), CAST(:kinds AS text[]),
               CAST(:errors AS text[])) AS failed (id, delay, kind, error)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
-   AND o.id = failed.id AND o.lease_owner = :owner;
+   AND o.id = failed.id AND o.status = 'pending'
+   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner);
 
 -- name: mark_dead
 -- Give up on rows: they stay, dead, with the reason, until an operator retries or purges them.
@@ -195,7 +203,8 @@ UPDATE {table} AS o
   FROM unnest(CAST(:ids AS uuid[]), CAST(:kinds AS text[]), CAST(:errors AS text[]))
        AS failed (id, kind, error)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
-   AND o.id = failed.id AND o.lease_owner = :owner;
+   AND o.id = failed.id AND o.status = 'pending'
+   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner);
 
 -- name: mark_sent_unleased
 -- Exactly-once recovery: rows whose Kafka transaction committed before their owner died.

@@ -137,7 +137,7 @@ def test_a_row_requeued_by_repair_is_sent_again_not_marked_sent_by_the_old_progr
     first = RelayStore(engine, DEFAULT_SPEC, "relay-first")
     old_owner = publishers(bootstrap_servers, owner="relay-first")
     old_owner.take_over([shard])
-    leased = first.lease_batch([shard], 100, 30)
+    leased = first.read_batch([shard], 100)
     result = old_owner.publish([leased_row.record for leased_row in leased])
     first.record_outcome(result.acks, [])
     first.close()
@@ -158,7 +158,7 @@ def test_a_row_requeued_by_repair_is_sent_again_not_marked_sent_by_the_old_progr
         ).one()
     assert (status, generation) == ("pending", 1)
 
-    again = second.lease_batch([shard], 100, 30)
+    again = second.read_batch([shard], 100)
     assert [row.id for row in again] == [lost]
     resent = new_owner.publish([row.record for row in again])
     second.record_outcome(resent.acks, [])

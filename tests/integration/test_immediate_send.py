@@ -3,7 +3,6 @@ duplicates, never overtakes an earlier message of the same key, and loses nothin
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -13,7 +12,6 @@ import sqlalchemy as sa
 from devstack.topics import consume_messages
 from outbox import ID_HEADER, Message, Outbox
 from outbox.immediate import ImmediateSender
-from outbox.queries import Queries
 from outbox.schema import DEFAULT_SPEC
 
 pytestmark = pytest.mark.integration
@@ -30,11 +28,36 @@ def rows(engine: sa.Engine) -> dict[uuid.UUID, sa.RowMapping]:
         return {row["id"]: row for row in result.mappings()}
 
 
-def publish(engine: sa.Engine, topic: str, count: int, key: str | None = None) -> list[uuid.UUID]:
+def publish(
+    engine: sa.Engine,
+    topic: str,
+    count: int,
+    key: str | None = None,
+    leased_to: ImmediateSender | str | None = None,
+    lease_seconds: float = 10.0,
+) -> list[uuid.UUID]:
+    """Commit ``count`` messages; ``leased_to``: written leased, as for that immediate sender
+    (without submitting them to it)."""
     ob = Outbox(engine)
     with ob.transaction() as tx:
         results = tx.publish_many([Message(topic, {"n": i}, key=key) for i in range(count)])
-    return [r.message_id for r in results]
+    ids = [r.message_id for r in results]
+    if leased_to is not None:
+        owner = leased_to if isinstance(leased_to, str) else leased_to.owner
+        lease(engine, ids, owner, lease_seconds)
+    return ids
+
+
+def lease(engine: sa.Engine, ids: list[uuid.UUID], owner: str, seconds: float) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET lease_owner = :owner,"
+                " lease_until = clock_timestamp() + make_interval(secs => :seconds)"
+                " WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids, "owner": owner, "seconds": seconds},
+        )
 
 
 @pytest.fixture
@@ -78,42 +101,53 @@ def test_committed_messages_are_sent_and_marked_with_their_offsets(
         )
 
 
-def test_two_senders_racing_on_the_same_rows_send_each_once(
+def test_rows_are_written_leased_to_the_sender_which_sends_each_once(
     engine, bootstrap_servers, make_topic, sender
 ) -> None:  # type: ignore[no-untyped-def]
-    topic = make_topic("race")
-    ids = publish(engine, topic, 200)
-    first, second = sender(), sender()  # stand-ins for the writer and the relay
-    outcomes = []
-    barrier = threading.Barrier(2)
-
-    def run(instance: ImmediateSender) -> None:
-        barrier.wait()
-        outcomes.append(instance.send_now(ids))
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in (first, second)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    sent = [i for outcome in outcomes for i in outcome.sent]
-    assert sorted(sent) == sorted(ids)  # every row sent, by exactly one of them
-    records = consume_messages(bootstrap_servers, topic, expect=200)
-    assert len(records) == 200
+    """The lease is taken in the writing transaction itself: there is no moment at which the
+    relay could read the rows as free. Another sender does not send them either."""
+    topic = make_topic("leased")
+    immediate, other = sender(), sender()
+    ob = Outbox(engine, immediate=immediate)
+    with ob.transaction() as tx:
+        ids = [tx.publish(topic, {"n": n}, key=f"k{n % 3}").message_id for n in range(50)]
+        owners = tx.session.execute(
+            sa.text("SELECT DISTINCT lease_owner, lease_until > now() FROM outbox")
+        ).all()
+        assert owners == [(immediate.owner, True)]
+    assert other.send_now(ids).sent == []  # not its lease
+    assert immediate.flush(30)
     assert {r["status"] for r in rows(engine).values()} == {"sent"}
+    records = consume_messages(bootstrap_servers, topic, expect=50)
+    assert sorted(uuid.UUID(dict(m.headers())[ID_HEADER].decode()) for m in records) == sorted(ids)
+
+
+def test_the_relay_leaves_a_leased_row_and_its_key_alone_until_the_lease_ends(
+    engine, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    from outbox.schema import SHARD_COUNT
+    from relay.store import RelayStore
+
+    topic = make_topic("held")
+    (held,) = publish(engine, topic, 1, key="k", leased_to="immediate-gone", lease_seconds=2)
+    behind = publish(engine, topic, 2, key="k")
+    other = publish(engine, topic, 1, key="other")
+    store = RelayStore(engine, DEFAULT_SPEC, "relay-test")
+    shards = list(range(SHARD_COUNT))
+    assert [row.id for row in store.read_batch(shards, 1000)] == other
+    time.sleep(2.2)
+    assert [row.id for row in store.read_batch(shards, 1000)] == [held, *behind, *other]
+    store.close()
 
 
 def test_a_message_never_overtakes_an_earlier_one_of_its_key(
     engine, bootstrap_servers, make_topic, sender
 ) -> None:  # type: ignore[no-untyped-def]
     topic = make_topic("order")
-    first_id, second_id = publish(engine, topic, 2, key="same")
-    queries = Queries(DEFAULT_SPEC)
-    with engine.begin() as conn:  # the relay holds the first message
-        conn.execute(
-            queries["lease_ids"], {"ids": [first_id], "owner": "relay-1", "lease_seconds": 60}
-        )
-    outcome = sender().send_now([second_id])
+    immediate = sender()
+    publish(engine, topic, 1, key="same")  # pending: with the relay
+    (second_id,) = publish(engine, topic, 1, key="same", leased_to=immediate)
+    outcome = immediate.send_now([second_id])
     assert outcome.sent == []
     assert outcome.left_to_relay == [second_id]
     stored = rows(engine)
@@ -122,32 +156,70 @@ def test_a_message_never_overtakes_an_earlier_one_of_its_key(
     assert consume_messages(bootstrap_servers, topic, expect=0, timeout=3) == []
 
 
-def test_a_crashed_senders_rows_stay_pending_and_go_once_its_lease_ends(
-    engine, bootstrap_servers, make_topic, sender
+def test_a_row_waits_for_an_earlier_row_of_its_key_even_one_held_by_the_same_sender(
+    engine, make_topic, sender
 ) -> None:  # type: ignore[no-untyped-def]
-    topic = make_topic("crash")
-    ids = publish(engine, topic, 3)
-    with engine.begin() as conn:  # leased, then the process died before producing
+    """Two writers of a key take turns, and the second's ids reach the sender first (or the
+    first's never do: a full queue). The later row is left to the relay, which sends it after
+    the earlier one; it never overtakes it."""
+    from outbox.schema import SHARD_COUNT
+    from relay.store import RelayStore
+
+    topic = make_topic("turns")
+    immediate = sender()
+    (first,) = publish(engine, topic, 1, key="k", leased_to=immediate)
+    (second,) = publish(engine, topic, 1, key="k", leased_to=immediate)
+    outcome = immediate.send_now([second])
+    assert outcome.sent == [] and outcome.left_to_relay == [second]
+    store = RelayStore(engine, DEFAULT_SPEC, "relay-test")
+    assert store.read_batch(list(range(SHARD_COUNT)), 100) == []  # behind the first's lease
+    # The first's lease runs out while it waits: the relay may send it now, and a batch of
+    # both clears neither (the second is behind the first, which is no longer the sender's).
+    with engine.begin() as conn:
         conn.execute(
-            Queries(DEFAULT_SPEC)["lease_ids"],
-            {"ids": ids, "owner": "dead-process", "lease_seconds": 2},
+            sa.text("UPDATE outbox SET lease_until = now() - interval '1 s' WHERE id = :id"),
+            {"id": first},
         )
-    survivor = sender()
-    assert survivor.send_now(ids).sent == []  # the lease still holds
-    assert {r["status"] for r in rows(engine).values()} == {"pending"}
-    time.sleep(2.5)
-    assert sorted(survivor.send_now(ids).sent) == sorted(ids)
+    assert immediate.send_now([first, second]).sent == []
+    assert [row.id for row in store.read_batch(list(range(SHARD_COUNT)), 100)] == [first, second]
+    store.close()
+
+
+def test_a_sender_never_sends_once_its_lease_has_run_out(engine, make_topic, sender) -> None:  # type: ignore[no-untyped-def]
+    topic = make_topic("expired")
+    immediate = sender()
+    ids = publish(engine, topic, 3, leased_to=immediate, lease_seconds=0.5)
+    time.sleep(0.7)
+    outcome = immediate.send_now(ids)
+    assert outcome.sent == [] and sorted(outcome.left_to_relay) == sorted(ids)
+
+
+def test_a_crashed_senders_rows_go_with_the_relay_once_their_lease_ends(
+    engine, outbox_url, bootstrap_servers, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    from tests.relay_helpers import relay_config, running_relay, wait_for
+
+    topic = make_topic("crash")
+    written = time.monotonic()
+    ids = publish(engine, topic, 3, leased_to="immediate-died", lease_seconds=3)
+    with running_relay(relay_config(outbox_url, bootstrap_servers)):
+        assert consume_messages(bootstrap_servers, topic, expect=0, timeout=1.5) == []
+        wait_for(
+            lambda: {r["status"] for r in rows(engine).values()} == {"sent"}, 20, "sent by relay"
+        )
+    assert time.monotonic() - written >= 3
     assert len(consume_messages(bootstrap_servers, topic, expect=3)) == 3
+    assert sorted(ids) == sorted(rows(engine))
 
 
 def test_unreachable_broker_leaves_rows_pending_and_unleased(engine, sender) -> None:  # type: ignore[no-untyped-def]
     from devstack.procs import free_port
 
-    ids = publish(engine, "orders", 2)
     immediate = sender(
         kafka={"bootstrap.servers": f"127.0.0.1:{free_port()}", "delivery.timeout.ms": 1500},
         lease_seconds=5,
     )
+    ids = publish(engine, "orders", 2, leased_to=immediate)
     outcome = immediate.send_now(ids)
     assert outcome.sent == []
     assert set(outcome.failed) == set(ids)
@@ -160,8 +232,9 @@ def test_keep_nothing_mode_deletes_rows_once_acknowledged(
     engine, bootstrap_servers, make_topic, sender
 ) -> None:  # type: ignore[no-untyped-def]
     topic = make_topic("nothing")
-    ids = publish(engine, topic, 5)
-    outcome = sender(delete_on_send=True).send_now(ids)
+    immediate = sender(delete_on_send=True)
+    ids = publish(engine, topic, 5, leased_to=immediate)
+    outcome = immediate.send_now(ids)
     assert sorted(outcome.sent) == sorted(ids)
     assert rows(engine) == {}
     assert len(consume_messages(bootstrap_servers, topic, expect=5)) == 5
@@ -174,7 +247,6 @@ def test_rows_released_after_a_send_ran_out_of_time_are_no_longer_retried_by_the
     Kafka has not acknowledged before it gives the rows back: when the broker comes back,
     none of them is sent from this producer behind the relay's back."""
     topic = make_topic("timeout")
-    ids = publish(engine, topic, 5)
     faulty_kafka.drop()  # the broker cannot be reached at all
     immediate = sender(
         kafka={
@@ -183,6 +255,7 @@ def test_rows_released_after_a_send_ran_out_of_time_are_no_longer_retried_by_the
         },
         lease_seconds=40,
     )
+    ids = publish(engine, topic, 5, leased_to=immediate, lease_seconds=40)
     started = time.monotonic()
     outcome = immediate.send_now(ids)
     assert time.monotonic() - started >= 24
@@ -214,8 +287,9 @@ def test_a_message_behind_a_deep_backlog_of_its_shard_is_left_to_the_relay(
                 for n in range(ORDER_CHECK_REACH + 50)
             ]
         )
-    (newest,) = publish(engine, topic, 1, key=key)
-    outcome = sender().send_now([newest])
+    immediate = sender()
+    (newest,) = publish(engine, topic, 1, key=key, leased_to=immediate)
+    outcome = immediate.send_now([newest])
     assert outcome.sent == [] and outcome.left_to_relay == [newest]
     assert rows(engine)[newest]["lease_owner"] is None
 
@@ -223,8 +297,8 @@ def test_a_message_behind_a_deep_backlog_of_its_shard_is_left_to_the_relay(
 def test_a_failed_immediate_send_logs_why(engine, sender, caplog) -> None:  # type: ignore[no-untyped-def]
     import logging
 
-    ids = publish(engine, "no-such-topic-here", 2)
     immediate = sender()
+    ids = publish(engine, "no-such-topic-here", 2, leased_to=immediate)
     with caplog.at_level(logging.WARNING, logger="outbox.immediate"):
         assert immediate.submit(ids)
         assert immediate.flush(30)

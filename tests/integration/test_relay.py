@@ -181,7 +181,7 @@ def test_crash_between_kafka_commit_and_marking_never_republishes(
     )
     shards = list(range(16))
     publisher.take_over(shards)
-    batch = store.lease_batch(shards, 50, 60)
+    batch = store.read_batch(shards, 50)
     result = publisher.publish([leased.record for leased in batch])
     assert len(result.acks) == 50  # committed in Kafka ...
     publisher.close()  # ... and the relay dies before marking the rows sent

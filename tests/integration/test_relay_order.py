@@ -60,15 +60,14 @@ def test_a_key_backing_off_with_a_deep_backlog_does_not_hold_back_its_shard(
             {"id": behind[0]},
         )
     store = RelayStore(engine, DEFAULT_SPEC, "relay-test")
-    leased = store.lease_batch(list(range(SHARD_COUNT)), 1000, 30)
+    leased = store.read_batch(list(range(SHARD_COUNT)), 1000)
     assert sorted(row.id for row in leased) == sorted(others)
     # Once the retry is due, the key goes on in order from its first message.
     with engine.begin() as conn:
         conn.execute(
             sa.text("UPDATE outbox SET next_attempt_at = now() WHERE id = :id"), {"id": behind[0]}
         )
-    store.release([row.id for row in leased])
-    again = store.lease_batch(list(range(SHARD_COUNT)), 1000, 30)
+    again = store.read_batch(list(range(SHARD_COUNT)), 1000)
     store.close()
     of_blocked = [row.id for row in again if row.id in set(behind)]
     assert of_blocked and of_blocked == behind[: len(of_blocked)]
@@ -178,3 +177,40 @@ def test_a_batch_that_runs_out_of_time_leaves_nothing_in_flight_and_no_gap(
             assert sorted(offsets) == list(range(min(offsets), min(offsets) + len(offsets)))
     finally:
         publisher.close()
+
+
+def test_two_batches_in_flight_are_purged_at_the_first_deadline_even_while_the_loop_is_busy(
+    faulty_kafka: FaultProxy, kafka_broker: KafkaBroker, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    """With the loop stuck elsewhere (a slow database statement, say) past a batch's deadline,
+    the deadline still purges the producer at once: librdkafka never times messages out one by
+    one, and the batch started later ends with the first."""
+    from outbox.flights import IdempotentSender
+
+    topic = make_topic("watchdog", partitions=3)
+    sender = IdempotentSender({"bootstrap.servers": f"127.0.0.1:{faulty_kafka.listen_port}"}, 2000)
+    try:
+        assert len(sender.publish(records(topic, 10, keys=2)).acks) == 10  # connected
+        faulty_kafka.drop()
+        first = sender.start(records(topic, 50, keys=5))
+        time.sleep(0.5)
+        second = sender.start(records(topic, 50, keys=5))
+        time.sleep(2.5)  # the loop is busy elsewhere; nobody calls wait()
+        faulty_kafka.heal()
+        time.sleep(3)  # had nothing purged them, the producer would deliver them now
+        on_topic = consume_messages(
+            kafka_broker.bootstrap_servers,
+            topic,
+            expect=10,
+            timeout=5,
+            isolation="read_uncommitted",
+        )
+        assert len(on_topic) == 10
+        ended = sender.wait(0)
+        assert set(ended) == {first, second}
+        for flight in (first, second):
+            assert not flight.result.acks
+            assert {e.code() for e in flight.result.errors.values()} == {KafkaError._TIMED_OUT}
+    finally:
+        faulty_kafka.heal()
+        sender.close(5)

@@ -41,10 +41,14 @@ def test_uuid7_floor_orders_against_real_ids() -> None:
 
 
 def test_queries_are_named_and_filled_with_the_table() -> None:
-    assert {"lease_ids", "mark_sent", "release", "purge_sent"} <= set(_raw_queries())
+    assert {"read_batch", "mark_sent", "release", "purge_sent"} <= set(_raw_queries())
     queries = Queries(OutboxTableSpec("shop", "events"))
     assert '"shop"."events"' in str(queries["release"])
     assert "{table}" not in str(queries["purge_sent"])
+    # A query used inside another is spliced in, filled with the same table.
+    clear = str(queries["clear_to_send"])
+    assert "{leased_behind_earlier}" not in clear and "{table}" not in clear
+    assert "WITH mine AS" in clear and '"shop"."events"' in clear
 
 
 def test_uuid7_is_ordered_unique_and_keeps_to_the_clock() -> None:

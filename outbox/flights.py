@@ -1,0 +1,296 @@
+"""Several batches in flight on one idempotent producer: the at-least-once sending core.
+
+The relay keeps the producer busy while it records the last outcome and reads the next rows:
+a batch is *started* (produced) and *settled* later, when Kafka has answered for each of its
+records. :class:`IdempotentSender` is shared by the relay and the immediate sender; its
+:meth:`~IdempotentSender.publish` is the stop-and-wait form (start one batch, wait for it).
+
+The rules of :mod:`outbox.sending` hold across batches: each batch has its deadline, owned here,
+and when the first deadline passes, everything not acknowledged on the producer is purged at
+once, the batches after it too. Acknowledgements per partition come in produce order, so what
+is acknowledged stays a prefix of each partition's records, whichever batch they belong to.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from outbox.records import OutboxRecord
+from outbox.sending import Ack, BatchResult, kafka_error_of, sending_config
+
+log = logging.getLogger(__name__)
+
+_PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
+
+
+@dataclass(eq=False)
+class Flight:
+    """One batch on its way: its records, what Kafka said so far, and its deadline."""
+
+    records: Sequence[OutboxRecord]
+    deadline: float
+    timeout: float
+    result: BatchResult = field(default_factory=BatchResult)
+    outstanding: int = 0
+    #: Set when the batch is over: every record acknowledged, failed or given back.
+    settled: bool = False
+
+    def done(self) -> bool:
+        return self.settled
+
+
+class IdempotentSender:
+    """One idempotent producer (acks=all) with any number of batches in flight.
+
+    ``give_up()`` turning true (a shutdown that waited long enough) ends every batch at once:
+    what Kafka has not acknowledged is purged and reported ``not_attempted``.
+    """
+
+    def __init__(
+        self,
+        kafka_config: Mapping[str, Any],
+        delivery_timeout_ms: int,
+        give_up: Callable[[], bool] = lambda: False,
+        extra_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.delivery_timeout = delivery_timeout_ms / 1000
+        self.give_up = give_up
+        self.config = {**sending_config(kafka_config, delivery_timeout_ms), **(extra_config or {})}
+        self.producer = Producer(self.config)
+        self._flights: list[Flight] = []
+        #: Batches that ended and were not handed out by :meth:`wait` yet.
+        self._ended: list[Flight] = []
+        self._watchdog = _DeadlineWatchdog(self._purge_now)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches started and not handed out as ended by :meth:`wait` yet."""
+        return len(self._flights) + len(self._ended)
+
+    def start(
+        self,
+        records: Sequence[OutboxRecord],
+        timeout: float | None = None,
+        started: float | None = None,
+    ) -> Flight:
+        """Produce ``records`` in order; their reports arrive during :meth:`wait`.
+
+        The batch ends ``timeout`` seconds (the delivery timeout by default) after ``started``
+        (a ``time.monotonic()`` reading; now by default).
+        """
+        timeout = self.delivery_timeout if timeout is None else timeout
+        began = time.monotonic() if started is None else started
+        flight = Flight(records, began + timeout, timeout)
+        self._flights.append(flight)
+        self._watchdog.watch(min(f.deadline for f in self._flights))
+        for position, record in enumerate(records):
+            if not self._produce(flight, record):
+                # The local queue stayed full until the deadline or a shutdown: the rest of
+                # the batch is given back unsent (nothing of it reached the producer).
+                flight.result.not_attempted.extend(r.id for r in records[position:])
+                break
+        self._settle_finished()
+        return flight
+
+    def wait(self, timeout: float) -> list[Flight]:
+        """Serve the producer up to ``timeout`` seconds, or until a batch settles; return the
+        batches that ended since the last call (in the order they were started)."""
+        if self._flights and not self._ended:
+            now = time.monotonic()
+            first_deadline = min(f.deadline for f in self._flights)
+            self._guarded(lambda: self.producer.poll(max(0.0, min(timeout, first_deadline - now))))
+        else:
+            self._guarded(lambda: self.producer.poll(0 if self._ended else timeout))
+        if self._flights and (
+            time.monotonic() >= min(f.deadline for f in self._flights) or self.give_up()
+        ):
+            self._end_all(stopping=self.give_up())
+        self._settle_finished()
+        ended, self._ended = self._ended, []
+        return ended
+
+    def drain(self) -> list[Flight]:
+        """Wait until every batch in flight has settled (deadlines and give_up still apply)."""
+        settled: list[Flight] = []
+        while self.in_flight:
+            settled.extend(self.wait(1.0))
+        return settled
+
+    def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
+        """Produce ``records`` and wait for Kafka's word on each (stop-and-wait)."""
+        flight = self.start(records)
+        while not flight.done():
+            self.wait(1.0)
+        return flight.result
+
+    def serve_events(self) -> None:
+        self.producer.poll(0)
+
+    def check_reachable(self, timeout: float) -> None:
+        try:
+            self.producer.list_topics(timeout=timeout)
+        finally:
+            self.serve_events()
+
+    def purge(self) -> None:
+        """Stop sending now (this relay lost its shards): what is unacknowledged is given back."""
+        if self._flights:
+            self._end_all(stopping=True)
+            self._settle_finished()
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._watchdog.stop()
+        self.producer.flush(timeout)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _produce(self, flight: Flight, record: OutboxRecord) -> bool:
+        while True:
+            try:
+                self.producer.produce(
+                    record.topic,
+                    value=record.value,
+                    key=record.key,
+                    headers=record.kafka_headers,
+                    on_delivery=functools.partial(self._report, flight, record),
+                )
+                flight.outstanding += 1
+                return True
+            except BufferError:
+                if time.monotonic() >= flight.deadline or self.give_up():
+                    return False
+                self.producer.poll(0.05)  # the local queue is full: let deliveries drain it
+            except KafkaException as exc:
+                flight.result.errors[record.id] = exc.args[0]
+                return True
+
+    def _report(
+        self, flight: Flight, record: OutboxRecord, error: KafkaError | None, message: Message
+    ) -> None:
+        if flight.outstanding <= 0:
+            return  # the batch was ended already (its producer was replaced)
+        flight.outstanding -= 1
+        partition, offset = message.partition(), message.offset()
+        if error is None and partition is not None and offset is not None:
+            flight.result.acks.append(Ack(record.id, partition, offset, record.generation))
+        else:
+            flight.result.errors[record.id] = error or KafkaError(KafkaError._FAIL, "no offset")
+
+    def _end_all(self, stopping: bool) -> None:
+        """A deadline passed (or a shutdown gave up): purge everything unacknowledged, in
+        every batch, so that no later record of a key can be acknowledged after it."""
+        self._guarded(lambda: self.producer.purge(in_queue=True, in_flight=True))
+        self._watchdog.watch(None)
+        self._guarded(lambda: self.producer.flush(5))  # runs the purged messages' reports
+        for flight in self._flights:
+            purged = [rid for rid, err in flight.result.errors.items() if err.code() in _PURGED]
+            for record_id in purged:
+                flight.result.errors.pop(record_id)
+                if stopping:
+                    flight.result.not_attempted.append(record_id)
+                else:
+                    flight.result.errors[record_id] = KafkaError(
+                        KafkaError._TIMED_OUT, f"not acknowledged within {flight.timeout:.0f}s"
+                    )
+            flight.outstanding = 0
+
+    def _settle_finished(self) -> None:
+        """Move the batches Kafka has answered for (or that were ended) to the ended list."""
+        finished = [f for f in self._flights if f.outstanding <= 0]
+        if not finished:
+            return
+        self._flights = [f for f in self._flights if f.outstanding > 0]
+        self._watchdog.watch(min((f.deadline for f in self._flights), default=None))
+        for flight in finished:
+            flight.settled = True
+        self._ended.extend(finished)
+        if any(_fatal(e) for f in finished for e in f.result.errors.values()):
+            self._replace("a delivery failed with a fatal error")  # ends the other batches
+            for flight in self._flights:
+                flight.settled = True
+            self._ended.extend(self._flights)
+            self._flights = []
+            self._watchdog.watch(None)
+
+    def _purge_now(self) -> None:
+        """The watchdog's call at a deadline the loop may be too busy to meet: purge at once,
+        so that librdkafka never times messages out one by one. The loop's next :meth:`wait`
+        turns the purged reports into timeouts."""
+        self.producer.purge(in_queue=True, in_flight=True)
+
+    def _guarded(self, call: Callable[[], object]) -> None:
+        """Run a producer call; a fatal error raised from it ends every batch in flight."""
+        try:
+            call()
+        except (KafkaException, SystemError) as exc:
+            error = kafka_error_of(exc)
+            if error is None:
+                raise
+            self._replace(error.str())
+
+    def _replace(self, reason: str) -> None:
+        """The idempotent producer cannot go on: what it has not reported on is given back
+        unsent, and a new producer takes over."""
+        log.warning("the idempotent producer failed for good (%s); starting a new one", reason)
+        for flight in self._flights:
+            done = {ack.id for ack in flight.result.acks} | set(flight.result.errors)
+            done.update(flight.result.not_attempted)
+            flight.result.not_attempted.extend(r.id for r in flight.records if r.id not in done)
+            flight.outstanding = 0
+        self.producer = Producer(self.config)
+
+
+def _fatal(error: KafkaError) -> bool:
+    # A producer already in a fatal state fails later produce() calls with _FATAL, whose own
+    # fatal flag is not set.
+    return bool(error.fatal()) or error.code() == KafkaError._FATAL
+
+
+class _DeadlineWatchdog:
+    """Calls ``purge`` when the earliest deadline passes, from a thread of its own: the loop
+    may be busy in a database statement just then, and librdkafka's own message timeout (30 s
+    later) must never come first."""
+
+    def __init__(self, purge: Callable[[], None]) -> None:
+        self._purge = purge
+        self._deadline: float | None = None
+        self._stopped = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="outbox-deadlines", daemon=True)
+        self._thread.start()
+
+    def watch(self, deadline: float | None) -> None:
+        with self._changed:
+            self._deadline = deadline
+            self._changed.notify()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        with self._changed:
+            while not self._stopped:
+                deadline = self._deadline
+                if deadline is None:
+                    self._changed.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._changed.wait(left)
+                    continue
+                self._deadline = None
+                try:
+                    self._purge()
+                except Exception:  # the loop's own purge at its next wait() follows anyway
+                    log.exception("purge at the batch deadline failed")

@@ -1,0 +1,291 @@
+"""The relay's loop against a publisher standing in for Kafka, on a real PostgreSQL: what the
+loop does with what Kafka says (acks, retriable and permanent errors, lost shards), how it
+keeps two batches in flight on disjoint shards, and how it shuts down. Fast: no broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import sqlalchemy as sa
+from confluent_kafka import KafkaError
+
+from outbox import Message, Outbox
+from outbox.records import OutboxRecord
+from outbox.sending import Ack, BatchResult
+from relay.config import RelayConfig
+from relay.daemon import Relay
+from relay.policy import RetryPolicy
+from relay.producers import InFlight
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass(eq=False)
+class StubFlight:
+    records: Sequence[OutboxRecord]
+    result: BatchResult = field(default_factory=BatchResult)
+    ends_at: float = 0.0
+    ended: bool = False
+
+    def done(self) -> bool:
+        return self.ended
+
+
+class StubPublisher:
+    """Acknowledges each batch ``latency`` seconds after it started, unless ``decide`` says
+    otherwise for a record: "retry" (a retriable error), "dead" (a permanent one) or "lost"
+    (the shard's producer cannot go on)."""
+
+    def __init__(self, latency: float = 0.02) -> None:
+        self.latency = latency
+        self.decide: Callable[[OutboxRecord], str] = lambda record: "ack"
+        self.flights: list[StubFlight] = []
+        self.acked: list[OutboxRecord] = []
+        self.log: list[tuple[str, frozenset[int]]] = []  # ("start" | "end", shards)
+        self.in_flight_shards: set[int] = set()
+        self.overlaps = 0  # starts while another batch was in flight
+        self.offsets = 0
+        self.lock = threading.Lock()
+
+    # -- BatchPublisher ------------------------------------------------------------------
+
+    def check_reachable(self, timeout: float) -> None:
+        return None
+
+    def serve_events(self) -> None:
+        return None
+
+    def take_over(self, shards: Sequence[int]) -> list[Ack]:
+        return []
+
+    def let_go(self, shards: Sequence[int]) -> None:
+        return None
+
+    def start(self, records: Sequence[OutboxRecord]) -> list[InFlight]:
+        shards = frozenset(r.shard for r in records)
+        assert not shards & self.in_flight_shards, "a shard had two batches in flight"
+        if self.flights:
+            self.overlaps += 1
+        self.in_flight_shards |= shards
+        flight = StubFlight(records, ends_at=time.monotonic() + self.latency)
+        self.flights.append(flight)
+        self.log.append(("start", shards))
+        return [flight]
+
+    def wait(self, timeout: float) -> list[InFlight]:
+        if self.flights:
+            time.sleep(
+                max(0.0, min(timeout, min(f.ends_at for f in self.flights) - time.monotonic()))
+            )
+        else:
+            time.sleep(timeout)
+        ended = [f for f in self.flights if f.ends_at <= time.monotonic()]
+        for flight in ended:
+            self._end(flight)
+            self.flights.remove(flight)
+        return list(ended)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flights)
+
+    def stop_sending(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def _end(self, flight: StubFlight) -> None:
+        failed_keys: set[tuple[str, bytes | None]] = set()
+        for record in flight.records:
+            verdict = self.decide(record)
+            if (record.topic, record.key) in failed_keys and record.key is not None:
+                verdict = "retry"  # the idempotent producer: nothing of a key after a failure
+            if verdict == "ack":
+                self.offsets += 1
+                flight.result.acks.append(Ack(record.id, 0, self.offsets, record.generation))
+                self.acked.append(record)
+            elif verdict == "retry":
+                failed_keys.add((record.topic, record.key))
+                flight.result.errors[record.id] = KafkaError(KafkaError._TIMED_OUT, "stub")
+            elif verdict == "dead":
+                flight.result.errors[record.id] = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+            elif verdict == "lost":
+                flight.result.not_attempted.append(record.id)
+                if record.shard not in flight.result.lost_shards:
+                    flight.result.lost_shards.append(record.shard)
+        self.in_flight_shards -= {r.shard for r in flight.records}
+        self.log.append(("end", frozenset(r.shard for r in flight.records)))
+
+
+def config(outbox_url: str, **overrides: object) -> RelayConfig:
+    options: dict = {
+        "database_url": outbox_url,
+        "kafka": {"bootstrap.servers": "127.0.0.1:9"},  # never used: the stub publishes
+        "batch_size": 100,
+        "poll_interval": 0.1,
+        "rebalance_interval": 0.2,
+        "retry": RetryPolicy(max_attempts=3, base_seconds=0.05, cap_seconds=0.1),
+    }
+    options.update(overrides)
+    return RelayConfig(**options)
+
+
+@contextmanager
+def looping(relay: Relay) -> Iterator[Relay]:
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def publish(engine: sa.Engine, count: int, keys: int) -> list[uuid.UUID]:
+    with Outbox(engine).transaction() as tx:
+        results = tx.publish_many(
+            [Message("loop", {"n": n}, key=f"k{n % keys}") for n in range(count)]
+        )
+    return [r.message_id for r in results]
+
+
+def statuses(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT status, count(*) FROM outbox GROUP BY status"))
+        return {status: count for status, count in rows}
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def by_key_in_seq_order(records: Sequence[OutboxRecord]) -> bool:
+    last: dict[bytes | None, int] = {}
+    for record in records:
+        if record.seq < last.get(record.key, -1):
+            return False
+        last[record.key] = record.seq
+    return True
+
+
+def test_two_batches_are_in_flight_at_once_on_disjoint_shards(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    publish(engine, 3000, keys=200)
+    stub = StubPublisher(latency=0.03)
+    with looping(Relay(config(outbox_url), publisher=stub)):
+        wait_for(lambda: statuses(engine) == {"sent": 3000})
+    assert stub.overlaps > 0  # the next batch started while the last was in flight
+    assert len(stub.acked) == 3000 and by_key_in_seq_order(stub.acked)
+
+
+def test_a_retried_message_holds_back_only_its_key_and_goes_first_when_due(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    ids = publish(engine, 400, keys=20)
+    failing = ids[0]
+    attempts = {"n": 0}
+
+    def decide(record: OutboxRecord) -> str:
+        if record.id == failing and attempts["n"] < 2:
+            attempts["n"] += 1
+            return "retry"
+        return "ack"
+
+    stub = StubPublisher()
+    stub.decide = decide
+    with looping(Relay(config(outbox_url), publisher=stub)):
+        wait_for(lambda: statuses(engine) == {"sent": 400})
+    assert attempts["n"] == 2
+    assert by_key_in_seq_order(stub.acked)
+    with engine.connect() as conn:
+        tried = conn.execute(sa.text("SELECT attempts FROM outbox WHERE id = :id"), {"id": failing})
+        assert tried.scalar_one() == 3
+
+
+def test_a_permanent_error_makes_one_message_dead_and_the_rest_go(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    ids = publish(engine, 50, keys=5)
+    stub = StubPublisher()
+    stub.decide = lambda record: "dead" if record.id == ids[7] else "ack"
+    with looping(Relay(config(outbox_url), publisher=stub)):
+        wait_for(lambda: statuses(engine) == {"sent": 49, "dead": 1})
+    with engine.connect() as conn:
+        kind = conn.execute(sa.text("SELECT error_kind FROM outbox WHERE status = 'dead'"))
+        assert kind.scalar_one() == "message_too_large"
+
+
+def test_a_lost_shard_is_let_go_and_its_rows_stay_pending_for_the_next_owner(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    publish(engine, 200, keys=40)
+    lost: dict[str, float] = {}
+    stub = StubPublisher()
+
+    def decide(record: OutboxRecord) -> str:
+        # The first shard seen loses its producer for a moment; everything else goes.
+        lost.setdefault("shard", record.shard)
+        lost.setdefault("until", time.monotonic() + 0.05)
+        if record.shard == lost["shard"] and time.monotonic() < lost["until"]:
+            return "lost"
+        return "ack"
+
+    stub.decide = decide
+    with looping(Relay(config(outbox_url), publisher=stub)):
+        wait_for(lambda: statuses(engine) == {"sent": 200}, 30)
+    assert len(stub.acked) == 200  # each once, the lost shard's after it came back
+    assert by_key_in_seq_order(stub.acked)
+
+
+def test_shutdown_waits_for_the_batch_in_flight_and_records_it(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    publish(engine, 100, keys=10)
+    stub = StubPublisher(latency=1.0)
+    relay = Relay(config(outbox_url, batch_size=1000), publisher=stub)
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    wait_for(lambda: stub.in_flight > 0)
+    relay.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert statuses(engine) == {"sent": len(stub.acked)}
+    assert len(stub.acked) > 0
+    with engine.connect() as conn:
+        held = conn.execute(
+            sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+        )
+        assert held.scalar_one() == 0  # shards released
+
+
+def test_a_batch_refused_by_the_producer_itself_is_recorded_and_its_shard_goes_on(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """A record librdkafka refuses in produce() (larger than its message.max.bytes once the
+    headers are counted) fails its batch before anything is in flight: the row is dead at once
+    and the shard's later rows are read and sent. No broker is needed to show it."""
+    from relay.producers import AtLeastOncePublisher
+
+    class Unprobed(AtLeastOncePublisher):
+        def check_reachable(self, timeout: float) -> None:
+            return None  # nothing listens at the bootstrap address: the batch fails locally
+
+    relay_config = config(outbox_url, delivery_timeout_ms=2000)
+    publisher = Unprobed(relay_config.kafka, relay_config.delivery_timeout_ms)
+    with Outbox(engine).transaction() as tx:
+        big = tx.publish("loop", b"x" * 999_990, key="big").message_id
+    with looping(Relay(relay_config, publisher=publisher)) as relay:
+        wait_for(lambda: statuses(engine) == {"dead": 1}, 10)
+        with Outbox(engine).transaction() as tx:  # the shard is read again
+            tx.publish("loop", b"small", key="big")
+        wait_for(lambda: statuses(engine) == {"dead": 1, "pending": 1}, 5)
+        wait_for(lambda: not relay._busy_shards, 10)
+    with engine.connect() as conn:
+        kind = conn.execute(sa.text("SELECT error_kind FROM outbox WHERE id = :id"), {"id": big})
+        assert kind.scalar_one() == "message_too_large"
