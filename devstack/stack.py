@@ -37,6 +37,11 @@ def kafka_jars() -> list[Path]:
     return resolve_jars("kafka", stack_home() / "jars" / "kafka")
 
 
+def kafka_tools_jars() -> list[Path]:
+    """Kafka's command-line tools (the benchmark's ProducerPerformance)."""
+    return resolve_jars("kafka-tools", stack_home() / "jars" / "kafka-tools")
+
+
 def spark_jars() -> list[Path]:
     """Jars to put on Spark's classpath (``spark.jars``) for the Kafka source and JDBC."""
     return resolve_jars("spark", stack_home() / "jars" / "spark")

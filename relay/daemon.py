@@ -227,7 +227,13 @@ class Relay:
             idle = (first or idle)[:half]
             self._half ^= 1
         started = time.monotonic()
-        batch = self.store.read_batch(idle, self.config.batch_size, self._conn)
+        if self.config.exactly_once:
+            # A Kafka transaction per shard: each may take a whole batch, so that a backlog
+            # costs as few transactions (and their commit round trips) as it can.
+            size, per_shard = self.config.batch_size * len(idle), self.config.batch_size
+        else:
+            size, per_shard = self.config.batch_size, None
+        batch = self.store.read_batch(idle, size, self._conn, per_shard)
         if not batch:
             self.health.batch_done(progressed=True)  # nothing to send is not being stuck
             return False

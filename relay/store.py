@@ -37,15 +37,17 @@ class RelayStore(OutboxRows):
         shards: Sequence[int],
         batch_size: int,
         owner_connection: psycopg.Connection | None = None,
+        per_shard: int | None = None,
     ) -> list[PendingRow]:
-        """The next rows of ``shards`` that may go now, in order (one statement).
+        """The next rows of ``shards`` that may go now, in order (one statement): at most
+        ``batch_size`` in all and ``per_shard`` of one shard (by default twice its share).
 
         The relay reads on ``owner_connection``, the session that holds the shards' advisory
         locks: a relay whose session is gone (and its shards with it) can read nothing more.
         """
         if not shards:
             return []
-        window = max(100, 2 * batch_size // len(shards))
+        window = per_shard or max(100, 2 * batch_size // len(shards))
         params = {"shards": list(shards), "window": window, "batch_size": batch_size}
         if owner_connection is not None:
             with owner_connection.cursor(row_factory=dict_row) as cursor:
