@@ -40,6 +40,7 @@ from relay.producers import (
 )
 from relay.progress import ensure_progress_topic
 from relay.store import Failure, Leased, RelayStore
+from relay.tracing import batch_span
 from relay.wakeup import WakeUp
 
 log = logging.getLogger("outbox.relay")
@@ -185,7 +186,8 @@ class Relay:
             self.health.batch_done(progressed=True)  # nothing to send is not being stuck
             return False
         records = [leased.record for leased in batch if leased.record is not None]
-        result = self._publisher.publish(records)
+        with batch_span(records):
+            result = self._publisher.publish(records)
         acked_at = datetime.now(UTC)
         failures = [
             Failure(leased.id, UNDECODABLE, leased.problem or UNDECODABLE, None)

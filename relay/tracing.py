@@ -1,0 +1,61 @@
+"""A span per published batch, linked to the traces of its messages (OpenTelemetry).
+
+A batch holds messages of many requests, each with a trace of its own, so the batch's span
+cannot be a child of all of them: it starts a trace of its own and carries a *link* to each
+message's context (the ``traceparent`` that ``publish`` stored in the message's headers), as
+OpenTelemetry's messaging conventions do for batches. A trace viewer goes from a request to
+the batch that sent its message, and from the batch to every request in it.
+
+Without OpenTelemetry loaded in the relay's process (see ``outbox/tracing.py``), the context
+manager does nothing and imports nothing. Run the relay under ``opentelemetry-instrument``
+(or set up a tracer provider before it starts) to export the spans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from outbox.records import OutboxRecord
+from outbox.tracing import headers_carrier, otel_loaded
+
+TRACER_NAME = "outbox.relay"
+
+
+@contextmanager
+def batch_span(records: Sequence[OutboxRecord]) -> Iterator[None]:
+    """A PRODUCER span around publishing ``records``, linked to their publishers' contexts.
+
+    An exception from the block ends the span with an error status and propagates.
+    """
+    if not otel_loaded():
+        yield
+        return
+    from opentelemetry import propagate, trace
+
+    links = []
+    for record in records:
+        context = propagate.extract(headers_carrier(record.headers))
+        span_context = trace.get_current_span(context).get_span_context()
+        if span_context.is_valid:
+            links.append(trace.Link(span_context))
+    topics = sorted({record.topic for record in records})
+    attributes: dict[str, str | int] = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.batch.message_count": len(records),
+    }
+    if len(topics) == 1:
+        attributes["messaging.destination.name"] = topics[0]
+    name = f"send {topics[0]}" if len(topics) == 1 else "send"
+    tracer = trace.get_tracer(TRACER_NAME)
+    # A root span: the relay's loop has no trace of its own to continue.
+    with tracer.start_as_current_span(
+        name,
+        context=trace.set_span_in_context(trace.INVALID_SPAN),
+        kind=trace.SpanKind.PRODUCER,
+        links=links,
+        attributes=attributes,
+    ):
+        yield
