@@ -4,11 +4,18 @@ linked to the request, and a consumer span that continues the request's trace.""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -99,3 +106,55 @@ def test_one_trace_from_the_request_to_the_relay_and_the_consumer(
     (finished,) = [span for span in spans.get_finished_spans() if span.name == "process order"]
     assert finished.parent is not None
     assert (finished.parent.trace_id, finished.parent.span_id) == request_ids
+
+
+def spans_in(text: str) -> list[dict[str, Any]]:
+    """The spans OpenTelemetry's console exporter printed (JSON objects one after another)."""
+    decoder = json.JSONDecoder()
+    spans, position = [], 0
+    while (start := text.find("{", position)) != -1:
+        span, position = decoder.raw_decode(text, start)
+        spans.append(span)
+    return spans
+
+
+def test_a_relay_run_under_opentelemetry_instrument_exports_its_batch_spans(
+    engine, outbox_url, bootstrap_servers, make_topic, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """As docs/tracing.md runs it: the relay process sets up the SDK from OTEL_* variables."""
+    recorded_spans()
+    topic = make_topic("instrumented")
+    with (
+        trace.get_tracer("shop").start_as_current_span("place order") as request,
+        outbox.Outbox(engine).transaction() as tx,
+    ):
+        tx.publish(topic, {"n": 1})
+    bindir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": outbox_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+        "OTEL_SERVICE_NAME": "outbox-relay",
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+    }
+    stdout, stderr = tmp_path / "spans.json", tmp_path / "relay.log"
+    with stdout.open("wb") as out, stderr.open("wb") as err:
+        process = subprocess.Popen(
+            [str(bindir / "opentelemetry-instrument"), str(bindir / "outbox"), "relay",
+             "--poll-interval", "0.2"],
+            env=env, stdout=out, stderr=err,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: statuses(engine) == {"sent": 1}, 60, "the message sent")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, stderr.read_text()
+    # The batch span is exported when the relay's tracer provider shuts down, at exit.
+    (batch,) = [span for span in spans_in(stdout.read_text()) if span["name"] == f"send {topic}"]
+    assert batch["kind"] == "SpanKind.PRODUCER"
+    assert batch["resource"]["attributes"]["service.name"] == "outbox-relay"
+    context = request.get_span_context()
+    links = [(link["context"]["trace_id"], link["context"]["span_id"]) for link in batch["links"]]
+    assert links == [(f"0x{context.trace_id:032x}", f"0x{context.span_id:016x}")]
