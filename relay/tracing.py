@@ -13,6 +13,7 @@ manager does nothing and imports nothing. Run the relay under ``opentelemetry-in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -20,6 +21,16 @@ from outbox.records import OutboxRecord
 from outbox.tracing import headers_carrier, otel_loaded
 
 TRACER_NAME = "outbox.relay"
+#: OpenTelemetry's default for OTEL_SPAN_LINK_COUNT_LIMIT: links past it are dropped.
+DEFAULT_LINK_LIMIT = 128
+
+
+def _link_limit() -> int:
+    """How many links a span keeps (the SDK's OTEL_SPAN_LINK_COUNT_LIMIT)."""
+    try:
+        return int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT", DEFAULT_LINK_LIMIT))
+    except ValueError:
+        return DEFAULT_LINK_LIMIT
 
 
 @contextmanager
@@ -33,10 +44,22 @@ def batch_span(records: Sequence[OutboxRecord]) -> Iterator[None]:
         return
     from opentelemetry import propagate, trace
 
-    links = []
+    # Only the headers the propagator reads, each context once (a batch often holds several
+    # messages of one request), and no more links than a span keeps: reading contexts is most
+    # of this function's cost.
+    fields = propagate.get_global_textmap().fields
+    limit = _link_limit()
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    links: list[trace.Link] = []
     for record in records:
-        context = propagate.extract(headers_carrier(record.headers))
-        span_context = trace.get_current_span(context).get_span_context()
+        if len(links) >= limit:
+            break
+        carrier = headers_carrier(pair for pair in record.headers if pair[0] in fields)
+        key = tuple(sorted(carrier.items()))
+        if not carrier or key in seen:
+            continue
+        seen.add(key)
+        span_context = trace.get_current_span(propagate.extract(carrier)).get_span_context()
         if span_context.is_valid:
             links.append(trace.Link(span_context))
     topics = sorted({record.topic for record in records})

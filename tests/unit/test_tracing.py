@@ -104,3 +104,22 @@ def test_the_batch_span_is_a_root_linked_to_each_message_with_a_context() -> Non
     assert batch.attributes is not None
     assert batch.attributes["messaging.batch.message_count"] == 3
     assert batch.attributes["messaging.destination.name"] == "orders"
+
+
+def test_the_batch_span_links_each_context_once_and_no_more_than_a_span_keeps(
+    monkeypatch,
+) -> None:  # type: ignore[no-untyped-def]
+    spans = recorded_spans()
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "3")
+    with tracer.start_as_current_span("one request"):
+        same = current_trace_headers()
+    others = []
+    for _ in range(5):
+        with tracer.start_as_current_span("request"):
+            others.append(current_trace_headers())
+    records = [record_with(same), record_with(same)] + [record_with(h) for h in others]
+    with batch_span(records):
+        pass
+    (batch,) = [span for span in spans.get_finished_spans() if span.name == "send orders"]
+    assert len(batch.links) == 3
+    assert len({ids(link.context) for link in batch.links}) == 3
