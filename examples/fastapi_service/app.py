@@ -7,12 +7,18 @@ debit that comes after the publish, or any other exception) rolls back the order
 message: no event is ever sent for an order that was not saved. A request that fails
 validation never opens a transaction.
 
-Run it (the outbox table must exist: ``outbox db upgrade``)::
+Run it from a checkout of this repository (the outbox table must exist: ``outbox db
+upgrade``)::
 
-    pip install "outbox-kafka[examples]"
+    pip install ".[examples]"
     export OUTBOX_DATABASE_URL=postgresql+psycopg://app:pw@db/shop
     uvicorn examples.fastapi_service.app:app --port 8000
-    outbox relay    # next to it, publishes the messages to Kafka
+    outbox relay    # next to it: publishes the messages to Kafka
+
+    curl -s localhost:8000/customers -H 'content-type: application/json' \
+        -d '{"credit": "100.00"}'
+    curl -s localhost:8000/orders -H 'content-type: application/json' \
+        -d '{"customer_id": 1, "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price": "9.90"}]}'
 
 ``ORDERS_TOPIC`` names the topic (default ``orders``). The tables of the example are created
 at start-up; a real service creates them with its migrations.
