@@ -14,11 +14,15 @@ manager does nothing and imports nothing. Run the relay under ``opentelemetry-in
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from outbox.records import OutboxRecord
 from outbox.tracing import headers_carrier, otel_loaded
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 TRACER_NAME = "outbox.relay"
 #: OpenTelemetry's default for OTEL_SPAN_LINK_COUNT_LIMIT: links past it are dropped.
@@ -42,6 +46,29 @@ def batch_span(records: Sequence[OutboxRecord]) -> Iterator[None]:
     if not otel_loaded():
         yield
         return
+    from opentelemetry import trace
+
+    with trace.use_span(_start_span(records), end_on_exit=True):
+        yield
+
+
+def start_batch_span(records: Sequence[OutboxRecord]) -> Callable[[], None]:
+    """Start the span of a batch whose publishing ends elsewhere; returns what ends it.
+
+    For a loop that hands a batch to the producer in one step and records its outcome in
+    another: call the returned function when the batch settled. Without OpenTelemetry it does
+    nothing.
+    """
+    if not otel_loaded():
+        return _nothing
+    return _start_span(records).end
+
+
+def _nothing() -> None:
+    return None
+
+
+def _start_span(records: Sequence[OutboxRecord]) -> Span:
     from opentelemetry import propagate, trace
 
     # Only the headers the propagator reads, each context once (a batch often holds several
@@ -72,13 +99,11 @@ def batch_span(records: Sequence[OutboxRecord]) -> Iterator[None]:
     if len(topics) == 1:
         attributes["messaging.destination.name"] = topics[0]
     name = f"send {topics[0]}" if len(topics) == 1 else "send"
-    tracer = trace.get_tracer(TRACER_NAME)
     # A root span: the relay's loop has no trace of its own to continue.
-    with tracer.start_as_current_span(
+    return trace.get_tracer(TRACER_NAME).start_span(
         name,
         context=trace.set_span_in_context(trace.INVALID_SPAN),
         kind=trace.SpanKind.PRODUCER,
         links=links,
         attributes=attributes,
-    ):
-        yield
+    )

@@ -7,13 +7,14 @@ import subprocess
 import sys
 import uuid
 
+import pytest
 from opentelemetry import trace
 
 from outbox.message import Message, encode_message
 from outbox.records import OutboxRecord
 from outbox.serialization import JsonSerializer
 from outbox.tracing import current_trace_headers, extract_context
-from relay.tracing import batch_span
+from relay.tracing import batch_span, start_batch_span
 from tests.tracing_helpers import recorded_spans
 
 tracer = trace.get_tracer("tests")
@@ -30,6 +31,7 @@ headers = outbox.tracing.current_trace_headers()
 encoded = encode_message(Message("t", 1), JsonSerializer(), 1000, headers)
 with relay.tracing.batch_span([]):
     pass
+relay.tracing.start_batch_span([])()
 loaded = sorted(name for name in sys.modules if name.startswith("opentelemetry"))
 assert headers == [] and not loaded, loaded
 """
@@ -123,3 +125,24 @@ def test_the_batch_span_links_each_context_once_and_no_more_than_a_span_keeps(
     (batch,) = [span for span in spans.get_finished_spans() if span.name == "send orders"]
     assert len(batch.links) == 3
     assert len({ids(link.context) for link in batch.links}) == 3
+
+
+def test_a_batch_span_started_in_one_step_ends_in_another() -> None:
+    spans = recorded_spans()
+    with tracer.start_as_current_span("request") as request:
+        headers = current_trace_headers()
+    end = start_batch_span([record_with(headers)])
+    assert not [span for span in spans.get_finished_spans() if span.name == "send orders"]
+    end()
+    (batch,) = [span for span in spans.get_finished_spans() if span.name == "send orders"]
+    assert batch.parent is None
+    assert [ids(link.context) for link in batch.links] == [ids(request.get_span_context())]
+
+
+def test_an_error_while_publishing_ends_the_batch_span_with_its_status() -> None:
+    spans = recorded_spans()
+    with pytest.raises(RuntimeError), batch_span([record_with([])]):
+        raise RuntimeError("broker gone")
+    (batch,) = [span for span in spans.get_finished_spans() if span.name == "send orders"]
+    assert batch.status.status_code == trace.StatusCode.ERROR
+    assert [event.name for event in batch.events] == ["exception"]
