@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,12 +58,22 @@ class EncodedMessage:
 
 
 def encode_message(
-    message: Message, serializer: Serializer, max_message_bytes: int
+    message: Message,
+    serializer: Serializer,
+    max_message_bytes: int,
+    trace_headers: Sequence[tuple[str, bytes]] = (),
 ) -> EncodedMessage:
-    """Validate and serialize ``message``; raises an InvalidMessage subclass on bad input."""
+    """Validate and serialize ``message``; raises an InvalidMessage subclass on bad input.
+
+    ``trace_headers`` (the publisher's trace context) are added after the message's own
+    headers, except those the message sets itself.
+    """
     topic = validate_topic(message.topic)
     key = encode_key(message.key)
     headers = encode_headers(message.headers)
+    if trace_headers:
+        given = {name for name, _ in headers}
+        headers.extend(pair for pair in trace_headers if pair[0] not in given)
     if message.idempotency_key is not None and (
         not isinstance(message.idempotency_key, str) or not message.idempotency_key
     ):

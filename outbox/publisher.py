@@ -26,6 +26,7 @@ from outbox.errors import (
 from outbox.message import EncodedMessage, Message, PublishResult, encode_message
 from outbox.schema import OutboxTableSpec
 from outbox.serialization import JsonSerializer, Serializer
+from outbox.tracing import current_trace_headers
 from outbox.validation import HeadersLike, KeyLike
 
 if TYPE_CHECKING:
@@ -225,10 +226,11 @@ class Outbox:
 
     def _encode(self, messages: Iterable[Message]) -> list[EncodedMessage]:
         encoded = []
+        trace = current_trace_headers()  # the caller's trace context, once per call
         for message in messages:
             if not isinstance(message, Message):
                 raise TypeError(f"publish_many takes Message objects, got {type(message).__name__}")
-            encoded.append(encode_message(message, self.serializer, self.max_message_bytes))
+            encoded.append(encode_message(message, self.serializer, self.max_message_bytes, trace))
         return encoded
 
     def _write(

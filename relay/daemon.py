@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
@@ -48,6 +48,7 @@ from relay.producers import (
 )
 from relay.progress import ensure_progress_topic
 from relay.store import Failure, PendingRow, RelayStore
+from relay.tracing import start_batch_span
 from relay.wakeup import WakeUp
 
 log = logging.getLogger("outbox.relay")
@@ -101,7 +102,7 @@ class Relay:
         self._publisher: BatchPublisher | None = publisher
         #: The rows of the batches in flight; the shards each batch holds, and when it began.
         self._rows: dict[uuid.UUID, PendingRow] = {}
-        self._busy_shards: dict[InFlight, tuple[set[int], float]] = {}
+        self._busy_shards: dict[InFlight, tuple[set[int], float, Callable[[], None]]] = {}
         #: Which half of the owned shards the next read starts with.
         self._half = 0
         self._next_rebalance = 0.0
@@ -216,7 +217,7 @@ class Relay:
         """
         assert self._ownership is not None and self._publisher is not None
         owned = sorted(self._ownership.owned)
-        busy = {shard for shards, _ in self._busy_shards.values() for shard in shards}
+        busy = {shard for shards, _, _ in self._busy_shards.values() for shard in shards}
         idle = [shard for shard in owned if shard not in busy]
         half = max(1, (len(owned) + 1) // 2)
         if not idle or (busy and len(idle) < half):
@@ -252,7 +253,9 @@ class Relay:
             if row.record is not None:
                 self._rows[row.id] = row
         for flight in self._publisher.start(records):
-            self._busy_shards[flight] = ({record.shard for record in flight.records}, started)
+            shards = {record.shard for record in flight.records}
+            # A trace span per batch, linked to its messages' contexts (with OpenTelemetry).
+            self._busy_shards[flight] = (shards, started, start_batch_span(flight.records))
         self.metrics.batch_size.observe(len(batch))
         return True
 
@@ -282,8 +285,9 @@ class Relay:
         self.store.record_outcome(acks, failures, owner_connection=self._conn)
         now = time.monotonic()
         for flight in flights:
-            _, began = self._busy_shards.pop(flight, (set(), now))
+            _, began, end_span = self._busy_shards.pop(flight)
             self.metrics.batch_seconds.observe(now - began)
+            end_span()
         if lost_shards:
             # Unlocked, not just forgotten: the advisory lock is re-entrant, so a shard locked
             # again later while still held would stay locked after the next release. Not taken
