@@ -38,13 +38,13 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from bench.stack import bench_stack, machine
-from devstack.stack import spark_jars, stack_home
 from outbox import ID_HEADER, migrate
-from spark_jobs import discrepancies as d
-from spark_jobs.progress import Progress
-from spark_jobs.reconcile import ReconcileConfig, run
-from spark_jobs.session import build_session
-from spark_jobs.window import AuditWindow
+from outbox.devstack.stack import spark_jars, stack_home
+from outbox.spark_jobs import discrepancies as d
+from outbox.spark_jobs.progress import Progress
+from outbox.spark_jobs.reconcile import ReconcileConfig, run
+from outbox.spark_jobs.session import build_session
+from outbox.spark_jobs.window import AuditWindow
 
 TOPIC = "bench-orders"
 VERBOSE = False
@@ -192,7 +192,7 @@ def export_csv(records: DataFrame, path: Path) -> None:
 
 def baseline(url: str, csv_dir: Path, window: AuditWindow, as_of: datetime) -> tuple[float, dict]:  # type: ignore[type-arg]
     """Load the export with COPY and audit with one SQL statement; (seconds, counts)."""
-    from spark_jobs.window import uuid7_floor
+    from outbox.spark_jobs.window import uuid7_floor
 
     conninfo = libpq_url(url)
     started = time.monotonic()

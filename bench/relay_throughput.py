@@ -38,14 +38,14 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.stack import bench_stack, machine, percentile
-from devstack.stack import kafka_tools_jars
 from outbox import Message, Outbox, migrate
+from outbox.devstack.stack import kafka_tools_jars
 from outbox.engines import sender_engine
 from outbox.ids import uuid7
 from outbox.records import producer_config
+from outbox.relay.store import RelayStore
 from outbox.schema import SHARD_COUNT, OutboxTableSpec, shard_of
 from outbox.sending import Ack
-from relay.store import RelayStore
 
 VALUE_BYTES = 256
 PARTITIONS = 6

@@ -7,7 +7,7 @@ import os
 import platform
 from collections.abc import Iterator
 
-from devstack import LocalStack, StackInfo
+from outbox.devstack import LocalStack, StackInfo
 
 
 @contextlib.contextmanager

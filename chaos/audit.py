@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from chaos.writers import BUSINESS_TABLE
 from outbox import ID_HEADER
+from outbox.chaos.writers import BUSINESS_TABLE
 
 
 @dataclass(frozen=True)

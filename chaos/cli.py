@@ -12,8 +12,8 @@ from types import FrameType
 
 import click
 
-from chaos.schedule import PROFILES, plan
-from relay.config import AT_LEAST_ONCE, EXACTLY_ONCE
+from outbox.chaos.schedule import PROFILES, plan
+from outbox.relay.config import AT_LEAST_ONCE, EXACTLY_ONCE
 
 
 @click.command()
@@ -81,11 +81,11 @@ def chaos(
         for fault in plan(seed, chosen, duration):
             click.echo(json.dumps(fault.to_json()))
         return
-    from chaos.run import ChaosRun, ChaosSettings
+    from outbox.chaos.run import ChaosRun, ChaosSettings
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     if output is None:
-        from devstack.stack import stack_home
+        from outbox.devstack.stack import stack_home
 
         output = stack_home() / "chaos" / f"{stamp}-{mode}-{seed}"
     settings = ChaosSettings(mode, seed, chosen, output, duration, rate, keep_data)
@@ -97,7 +97,7 @@ def chaos(
         click.echo("outbox chaos: interrupted; its servers and relays are stopped", err=True)
         sys.exit(130)
     except Exception as exc:
-        from relay.observability import mask_secrets
+        from outbox.relay.observability import mask_secrets
 
         error = mask_secrets(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"[:500])
         click.echo(f"outbox chaos: the run could not be carried out: {error}", err=True)

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from spark_jobs.cli import run_on_spark
-from spark_jobs.reconcile import ReconcileConfig
-from spark_jobs.report import RunSummary
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs.cli import run_on_spark
+from outbox.spark_jobs.reconcile import ReconcileConfig
+from outbox.spark_jobs.report import RunSummary
+from outbox.spark_jobs.window import AuditWindow
 
 
 def reconcile_run(

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from relay.config import EXACTLY_ONCE
+from outbox.relay.config import EXACTLY_ONCE
 
 # Short timings, so that faults turn into retries (not only into waits) and the run drains
 # quickly; every other setting is the relay's default.

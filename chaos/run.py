@@ -24,9 +24,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from chaos import audit
-from chaos.relays import RelayFleet
-from chaos.schedule import (
+from outbox import migrate
+from outbox.chaos import audit
+from outbox.chaos.relays import RelayFleet
+from outbox.chaos.schedule import (
     BROKER_RESTART,
     NET_DROP,
     NET_LATENCY,
@@ -38,12 +39,11 @@ from chaos.schedule import (
     Profile,
     plan,
 )
-from chaos.stack import ChaosStack
-from chaos.verdict import Findings
-from chaos.writers import CREATE_BUSINESS_TABLE, Writer
-from devstack.stack import sweep_stale_runs
-from devstack.topics import create_topics
-from outbox import migrate
+from outbox.chaos.stack import ChaosStack
+from outbox.chaos.verdict import Findings
+from outbox.chaos.writers import CREATE_BUSINESS_TABLE, Writer
+from outbox.devstack.stack import sweep_stale_runs
+from outbox.devstack.topics import create_topics
 
 TOPICS = ("chaos.orders", "chaos.payments")
 PARTITIONS = 3
@@ -274,7 +274,7 @@ class ChaosRun:
     def _audit(
         self, window_start: datetime, window_end: datetime
     ) -> tuple[Findings, dict[str, Any]]:
-        from chaos.reconciliation import reconcile_run
+        from outbox.chaos.reconciliation import reconcile_run
 
         self.echo("auditing: reconciliation job (Spark), topics read back, tables")
         summary = reconcile_run(

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chaos.proxy import FaultProxy
-from devstack.kafka import KafkaBroker
-from devstack.postgres import PostgresServer
-from devstack.procs import free_port
-from devstack.stack import LocalStack, StackInfo, stack_home
+from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.postgres import PostgresServer
+from outbox.devstack.procs import free_port
+from outbox.devstack.stack import LocalStack, StackInfo, stack_home
 
 DATABASE = "chaos"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from relay.config import EXACTLY_ONCE
-from spark_jobs import discrepancies as d
+from outbox.relay.config import EXACTLY_ONCE
+from outbox.spark_jobs import discrepancies as d
 
 #: Classes that are a violation in both modes (``duplicate`` only in exactly-once mode;
 #: ``late`` is expected while faults hold deliveries back).

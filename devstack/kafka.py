@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devstack.procs import StackError, pid_alive, port_open, terminate, wait_until
+from outbox.devstack.procs import StackError, pid_alive, port_open, terminate, wait_until
 
 START_TIMEOUT = 90.0
 HEAP = "-Xmx768m"

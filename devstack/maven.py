@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from devstack.procs import StackError
+from outbox.devstack.procs import StackError
 
 POM_ROOT = Path(__file__).resolve().parent / "maven"
 SETTINGS = POM_ROOT / "settings.xml"

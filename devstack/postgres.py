@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from devstack.procs import (
+from outbox.devstack.procs import (
     StackError,
     pid_alive,
     postgres_user_ids,

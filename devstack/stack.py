@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from devstack.kafka import KafkaBroker
-from devstack.maven import resolve_jars
-from devstack.postgres import PostgresServer, data_root_for, server_bindir
-from devstack.procs import StackError, free_port, pid_alive, port_open
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.maven import resolve_jars
+from outbox.devstack.postgres import PostgresServer, data_root_for, server_bindir
+from outbox.devstack.procs import StackError, free_port, pid_alive, port_open
 
 DEMO_DATABASE = "outbox"
 

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from devstack import LocalStack
-from devstack.topics import create_topics
 from outbox import Outbox, migrate
+from outbox.devstack import LocalStack
+from outbox.devstack.topics import create_topics
 
 TOPIC = "orders"
 

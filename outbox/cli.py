@@ -308,10 +308,10 @@ def relay(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_early.set())
 
-    from relay.config import RelayConfig, kafka_config_from_env
-    from relay.daemon import Relay
-    from relay.observability import configure_logging
-    from relay.policy import RetryPolicy
+    from outbox.relay.config import RelayConfig, kafka_config_from_env
+    from outbox.relay.daemon import Relay
+    from outbox.relay.observability import configure_logging
+    from outbox.relay.policy import RetryPolicy
 
     configure_logging(log_level)
     kafka = {
@@ -353,7 +353,7 @@ def _check_relay_access(config: object) -> Callable[[], None]:
     def check() -> None:
         import sqlalchemy as sa
 
-        from relay.config import RelayConfig
+        from outbox.relay.config import RelayConfig
 
         assert isinstance(config, RelayConfig)
         engine = sa.create_engine(config.database_url, connect_args={"connect_timeout": 10})
@@ -504,7 +504,7 @@ def dev() -> None:
 @dev.command()
 def prepare() -> None:
     """Install PostgreSQL if missing and resolve the Kafka and Spark jars (idempotent)."""
-    from devstack import prepare as prepare_stack
+    from outbox.devstack import prepare as prepare_stack
 
     _run_stack_step(prepare_stack)
     click.echo("local stack prepared")
@@ -514,7 +514,7 @@ def prepare() -> None:
 @click.option("--name", default="dev", show_default=True, help="Stack instance name.")
 def up(name: str) -> None:
     """Start the stack (or keep it running) and print its connection settings."""
-    from devstack import LocalStack
+    from outbox.devstack import LocalStack
 
     info = _run_stack_step(lambda: LocalStack.named(name).up())
     for key, value in info.as_env().items():
@@ -525,7 +525,7 @@ def up(name: str) -> None:
 @click.option("--name", default="dev", show_default=True, help="Stack instance name.")
 def down(name: str) -> None:
     """Stop the stack's servers and remove their data."""
-    from devstack import LocalStack
+    from outbox.devstack import LocalStack
 
     _run_stack_step(lambda: LocalStack.named(name).down())
     click.echo(f"stack '{name}' stopped")
@@ -535,7 +535,7 @@ def down(name: str) -> None:
 @click.option("--name", default="dev", show_default=True, help="Stack instance name.")
 def status(name: str) -> None:
     """Say which of the stack's servers are running; exit 1 unless all are."""
-    from devstack import LocalStack
+    from outbox.devstack import LocalStack
 
     states = LocalStack.named(name).status()
     for server, running in states.items():
@@ -545,7 +545,7 @@ def status(name: str) -> None:
 
 def _run_stack_step(step: Callable[[], T]) -> T:
     """Run a stack operation, turning its failure into one clear error line."""
-    from devstack import StackError
+    from outbox.devstack import StackError
 
     try:
         return step()
@@ -575,7 +575,7 @@ def _redact(text: str) -> str:
 
 def _add_reconcile() -> None:
     # The command's module imports PySpark only when it runs.
-    from spark_jobs.cli import reconcile
+    from outbox.spark_jobs.cli import reconcile
 
     main.add_command(reconcile)
 
@@ -585,7 +585,7 @@ _add_reconcile()
 
 def _add_chaos() -> None:
     # The run's modules load the stack and Spark only when it runs.
-    from chaos.cli import chaos
+    from outbox.chaos.cli import chaos
 
     main.add_command(chaos)
 

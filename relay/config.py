@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox.errors import ConfigError
+from outbox.relay.policy import RetryPolicy
 from outbox.schema import OutboxTableSpec
-from relay.policy import RetryPolicy
 
 AT_LEAST_ONCE = "at-least-once"
 EXACTLY_ONCE = "exactly-once"

@@ -33,12 +33,11 @@ from sqlalchemy import exc as sa_exc
 
 from outbox.engines import sender_engine
 from outbox.records import OutboxRecord
-from outbox.sending import Ack, order_gaps
-from relay.config import RelayConfig, masked_kafka_config
-from relay.observability import HealthState, RelayMetrics, mask_secrets, serve
-from relay.ownership import ShardOwnership
-from relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
-from relay.producers import (
+from outbox.relay.config import RelayConfig, masked_kafka_config
+from outbox.relay.observability import HealthState, RelayMetrics, mask_secrets, serve
+from outbox.relay.ownership import ShardOwnership
+from outbox.relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
+from outbox.relay.producers import (
     KAFKA_LOG,
     TRANSACTION_MARGIN_MS,
     AtLeastOncePublisher,
@@ -46,10 +45,11 @@ from relay.producers import (
     ExactlyOncePublisher,
     InFlight,
 )
-from relay.progress import ensure_progress_topic
-from relay.store import Failure, PendingRow, RelayStore
-from relay.tracing import start_batch_span
-from relay.wakeup import WakeUp
+from outbox.relay.progress import ensure_progress_topic
+from outbox.relay.store import Failure, PendingRow, RelayStore
+from outbox.relay.tracing import start_batch_span
+from outbox.relay.wakeup import WakeUp
+from outbox.sending import Ack, order_gaps
 
 log = logging.getLogger("outbox.relay")
 

@@ -15,9 +15,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 from outbox.flights import IdempotentSender
 from outbox.records import OutboxRecord
+from outbox.relay.progress import encode_progress, last_committed
 from outbox.schema import SHARD_COUNT
 from outbox.sending import Ack, BatchResult, kafka_error_of, produce_batch, sending_config
-from relay.progress import encode_progress, last_committed
 
 log = logging.getLogger(__name__)
 #: librdkafka's own lines (connection failures, ...) go through this logger, so that they come

@@ -25,18 +25,18 @@ from outbox.cli_options import (
 )
 from outbox.durations import parse_duration
 from outbox.errors import OutboxError
+from outbox.relay.observability import mask_secrets as redact
 from outbox.schema import OutboxTableSpec
-from outbox.validation import validate_identifier
-from relay.observability import mask_secrets as redact
 
 # Plain Python: PySpark loads only when the job runs.
-from spark_jobs import runs
-from spark_jobs.classes import CLASSES
-from spark_jobs.window import AuditWindow, parse_window
+from outbox.spark_jobs import runs
+from outbox.spark_jobs.classes import CLASSES
+from outbox.spark_jobs.window import AuditWindow, parse_window
+from outbox.validation import validate_identifier
 
 if TYPE_CHECKING:
-    from spark_jobs.reconcile import ReconcileConfig
-    from spark_jobs.report import RunSummary
+    from outbox.spark_jobs.reconcile import ReconcileConfig
+    from outbox.spark_jobs.report import RunSummary
 
 #: Exit status when the job could not run (bad option, unreachable service); 1 means "found
 #: discrepancies over their limits", 0 "within limits".
@@ -230,8 +230,8 @@ def reconcile(
     """
     if ctx.invoked_subcommand is not None:
         return
-    from spark_jobs.reconcile import ReconcileConfig
-    from spark_jobs.report import parse_thresholds, render
+    from outbox.spark_jobs.reconcile import ReconcileConfig
+    from outbox.spark_jobs.report import parse_thresholds, render
 
     if not database_url:
         raise click.UsageError("Missing option '--database-url' (or OUTBOX_DATABASE_URL).")
@@ -361,8 +361,8 @@ def run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str
 
     Spark's own failures become a one-line :class:`JobError`.
     """
-    from spark_jobs.reconcile import run
-    from spark_jobs.session import build_session
+    from outbox.spark_jobs.reconcile import run
+    from outbox.spark_jobs.session import build_session
 
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit launched this driver
     if master is None and not under_submit:
@@ -371,7 +371,7 @@ def run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str
     # The job reports its own progress, line by line; Spark's bar redraws one line.
     conf = {"spark.ui.showConsoleProgress": "false"}
     if master and master.startswith("local"):
-        from devstack.stack import spark_jars
+        from outbox.devstack.stack import spark_jars
 
         jars = [str(jar) for jar in spark_jars()]
         conf["spark.driver.memory"] = driver_memory

@@ -21,8 +21,8 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
-from spark_jobs import classes
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs import classes
+from outbox.spark_jobs.window import AuditWindow
 
 #: The outbox side, as read over JDBC: one row per outbox message.
 OUTBOX_COLUMNS = (

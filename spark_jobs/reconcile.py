@@ -20,14 +20,14 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from outbox.schema import OutboxTableSpec
-from spark_jobs import discrepancies as d
-from spark_jobs.jdbc import jdbc_options
-from spark_jobs.progress import Progress
-from spark_jobs.repair import requeue_missing
-from spark_jobs.report import RunSummary
-from spark_jobs.runs import ROWS, ROWS_JSON, SUMMARY, new_run_id
-from spark_jobs.sources import normalize_records, read_archive, read_kafka, read_outbox
-from spark_jobs.window import AuditWindow, uuid7_floor
+from outbox.spark_jobs import discrepancies as d
+from outbox.spark_jobs.jdbc import jdbc_options
+from outbox.spark_jobs.progress import Progress
+from outbox.spark_jobs.repair import requeue_missing
+from outbox.spark_jobs.report import RunSummary
+from outbox.spark_jobs.runs import ROWS, ROWS_JSON, SUMMARY, new_run_id
+from outbox.spark_jobs.sources import normalize_records, read_archive, read_kafka, read_outbox
+from outbox.spark_jobs.window import AuditWindow, uuid7_floor
 
 
 @dataclass(frozen=True)
@@ -274,6 +274,6 @@ def record_run(
 
 
 if __name__ == "__main__":  # spark-submit spark_jobs/reconcile.py --database-url ... (see --help)
-    from spark_jobs.cli import reconcile
+    from outbox.spark_jobs.cli import reconcile
 
     reconcile()

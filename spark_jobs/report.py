@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from spark_jobs.classes import CLASSES
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs.classes import CLASSES
+from outbox.spark_jobs.window import AuditWindow
 
 
 def parse_thresholds(items: Iterable[str]) -> dict[str, int]:

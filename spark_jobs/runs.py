@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from spark_jobs.classes import CLASSES
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs.classes import CLASSES
+from outbox.spark_jobs.window import AuditWindow
 
 #: Where runs go when no ``--output`` is given (relative to the working directory).
 DEFAULT_BASE = "reconciliation"

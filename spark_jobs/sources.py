@@ -26,10 +26,10 @@ from pyspark.sql.types import (
 from outbox.errors import ConfigError
 from outbox.message import ID_HEADER
 from outbox.schema import OutboxTableSpec
+from outbox.spark_jobs.discrepancies import OUTBOX_COLUMNS, TOPIC_COLUMNS
+from outbox.spark_jobs.jdbc import jdbc_options
+from outbox.spark_jobs.window import AuditWindow
 from outbox.validation import validate_topic
-from spark_jobs.discrepancies import OUTBOX_COLUMNS, TOPIC_COLUMNS
-from spark_jobs.jdbc import jdbc_options
-from spark_jobs.window import AuditWindow
 
 #: The columns an archive must have, as a sink connector writes a topic.
 ARCHIVE_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value", "headers")

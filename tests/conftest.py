@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 
-from chaos.proxy import FaultProxy
-from chaos.stack import route_through_proxy
-from devstack import LocalStack, StackError
-from devstack.kafka import KafkaBroker
-from devstack.postgres import PostgresServer
-from devstack.procs import free_port
-from devstack.stack import spark_jars, sweep_stale_runs
+from outbox.chaos.proxy import FaultProxy
+from outbox.chaos.stack import route_through_proxy
+from outbox.devstack import LocalStack, StackError
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.postgres import PostgresServer
+from outbox.devstack.procs import free_port
+from outbox.devstack.stack import spark_jars, sweep_stale_runs
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -131,7 +131,7 @@ def make_topic(bootstrap_servers: str) -> Iterator[Callable[..., str]]:
     """Create topics with unique names for one test; they are deleted afterwards."""
     from confluent_kafka.admin import AdminClient
 
-    from devstack.topics import create_topics
+    from outbox.devstack.topics import create_topics
 
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     created: list[str] = []
@@ -151,7 +151,7 @@ def make_topic(bootstrap_servers: str) -> Iterator[Callable[..., str]]:
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
     try:
-        from spark_jobs.session import build_session
+        from outbox.spark_jobs.session import build_session
 
         jars = [str(jar) for jar in spark_jars()]
         session = build_session("outbox-tests", master="local[2]", jars=jars, shuffle_partitions=2)

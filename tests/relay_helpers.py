@@ -17,11 +17,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from devstack.procs import free_port
 from outbox import ID_HEADER, Message, Outbox
-from relay.config import RelayConfig
-from relay.daemon import Relay
-from relay.policy import RetryPolicy
+from outbox.devstack.procs import free_port
+from outbox.relay.config import RelayConfig
+from outbox.relay.daemon import Relay
+from outbox.relay.policy import RetryPolicy
 
 
 def relay_config(database_url: str, bootstrap: str, **overrides: Any) -> RelayConfig:

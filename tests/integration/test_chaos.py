@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos.schedule import FAULT_KINDS, PROFILES, plan
-from relay.config import EXACTLY_ONCE
+from outbox.chaos.schedule import FAULT_KINDS, PROFILES, plan
+from outbox.relay.config import EXACTLY_ONCE
 
 pytestmark = pytest.mark.integration
 
@@ -76,9 +76,9 @@ def test_the_audit_sees_a_broken_atomicity_and_a_reordered_key(
     import sqlalchemy as sa
     from confluent_kafka import Producer
 
-    from chaos import audit
-    from chaos.writers import BUSINESS_TABLE, CREATE_BUSINESS_TABLE
     from outbox import ID_HEADER
+    from outbox.chaos import audit
+    from outbox.chaos.writers import BUSINESS_TABLE, CREATE_BUSINESS_TABLE
     from tests.relay_helpers import publish_orders
 
     topic = make_topic("audit")

@@ -433,7 +433,7 @@ def doc_runs(postgres_server, outbox_template, kafka_broker) -> Iterator[dict[Pa
     from confluent_kafka.admin import AdminClient
 
     import outbox
-    from devstack.topics import create_topics
+    from outbox.devstack.topics import create_topics
 
     bootstrap = kafka_broker.bootstrap_servers
     admin = AdminClient({"bootstrap.servers": bootstrap})

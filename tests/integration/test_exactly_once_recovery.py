@@ -12,16 +12,16 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
-from chaos.proxy import FaultProxy
-from devstack.kafka import KafkaBroker
-from devstack.topics import consume_messages
 from outbox import ID_HEADER, Message, Outbox
+from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.topics import consume_messages
 from outbox.records import OutboxRecord
+from outbox.relay.producers import ExactlyOncePublisher, Outcome
+from outbox.relay.progress import ensure_progress_topic
+from outbox.relay.store import RelayStore
 from outbox.schema import DEFAULT_SPEC, shard_of
-from relay.producers import ExactlyOncePublisher, Outcome
-from relay.progress import ensure_progress_topic
-from relay.store import RelayStore
-from spark_jobs.repair import requeue_missing
+from outbox.spark_jobs.repair import requeue_missing
 from tests.relay_helpers import message_id
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from devstack.procs import free_port
-from devstack.topics import consume_messages
+from outbox.devstack.procs import free_port
+from outbox.devstack.topics import consume_messages
 from tests.relay_helpers import (
     message_id,
     relay_config,

@@ -9,8 +9,8 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from devstack.topics import consume_messages
 from outbox import ID_HEADER, Message, Outbox
+from outbox.devstack.topics import consume_messages
 from outbox.immediate import ImmediateSender
 from outbox.schema import DEFAULT_SPEC
 
@@ -125,8 +125,8 @@ def test_rows_are_written_leased_to_the_sender_which_sends_each_once(
 def test_the_relay_leaves_a_leased_row_and_its_key_alone_until_the_lease_ends(
     engine, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
+    from outbox.relay.store import RelayStore
     from outbox.schema import SHARD_COUNT
-    from relay.store import RelayStore
 
     topic = make_topic("held")
     (held,) = publish(engine, topic, 1, key="k", leased_to="immediate-gone", lease_seconds=2)
@@ -162,8 +162,8 @@ def test_a_row_waits_for_an_earlier_row_of_its_key_even_one_held_by_the_same_sen
     """Two writers of a key take turns, and the second's ids reach the sender first (or the
     first's never do: a full queue). The later row is left to the relay, which sends it after
     the earlier one; it never overtakes it."""
+    from outbox.relay.store import RelayStore
     from outbox.schema import SHARD_COUNT
-    from relay.store import RelayStore
 
     topic = make_topic("turns")
     immediate = sender()
@@ -213,7 +213,7 @@ def test_a_crashed_senders_rows_go_with_the_relay_once_their_lease_ends(
 
 
 def test_unreachable_broker_leaves_rows_pending_and_unleased(engine, sender) -> None:  # type: ignore[no-untyped-def]
-    from devstack.procs import free_port
+    from outbox.devstack.procs import free_port
 
     immediate = sender(
         kafka={"bootstrap.servers": f"127.0.0.1:{free_port()}", "delivery.timeout.ms": 1500},

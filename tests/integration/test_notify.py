@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import Message, Outbox
+from outbox.relay.wakeup import WakeUp
 from outbox.schema import DEFAULT_SPEC
-from relay.wakeup import WakeUp
 
 pytestmark = pytest.mark.integration
 

@@ -19,10 +19,10 @@ from confluent_kafka.admin import AdminClient
 
 from outbox import ID_HEADER
 from outbox.ids import uuid7
-from spark_jobs import discrepancies as d
-from spark_jobs.progress import Progress
-from spark_jobs.reconcile import ReconcileConfig, run
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs import discrepancies as d
+from outbox.spark_jobs.progress import Progress
+from outbox.spark_jobs.reconcile import ReconcileConfig, run
+from outbox.spark_jobs.window import AuditWindow
 from tests.relay_helpers import publish_orders, relay_config, running_relay, statuses, wait_for
 
 pytestmark = pytest.mark.integration

@@ -15,10 +15,10 @@ from confluent_kafka import Message, Producer
 
 from outbox import ID_HEADER
 from outbox.schema import shard_of
-from spark_jobs import discrepancies as d
-from spark_jobs.progress import Progress
-from spark_jobs.reconcile import ReconcileConfig, run
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs import discrepancies as d
+from outbox.spark_jobs.progress import Progress
+from outbox.spark_jobs.reconcile import ReconcileConfig, run
+from outbox.spark_jobs.window import AuditWindow
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from devstack.topics import consume_messages
 from outbox import Outbox
+from outbox.devstack.topics import consume_messages
 from outbox.schema import OutboxTableSpec
 from tests.relay_helpers import (
     message_id,
@@ -162,9 +162,9 @@ def test_exactly_once_mode_delivers_each_message_once_to_read_committed(
 def test_crash_between_kafka_commit_and_marking_never_republishes(
     engine, outbox_url, bootstrap_servers, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
-    from relay.producers import ExactlyOncePublisher
-    from relay.progress import ensure_progress_topic
-    from relay.store import RelayStore
+    from outbox.relay.producers import ExactlyOncePublisher
+    from outbox.relay.progress import ensure_progress_topic
+    from outbox.relay.store import RelayStore
 
     topic = make_topic("eos-gap")
     prefix = f"gap-{uuid.uuid4().hex[:8]}"

@@ -15,10 +15,10 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from devstack.postgres import PostgresServer, _processes_in
-from devstack.topics import consume_messages
 from outbox import Message, Outbox
-from relay.config import EXACTLY_ONCE
+from outbox.devstack.postgres import PostgresServer, _processes_in
+from outbox.devstack.topics import consume_messages
+from outbox.relay.config import EXACTLY_ONCE
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
 
 pytestmark = pytest.mark.integration

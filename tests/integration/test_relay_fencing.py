@@ -10,8 +10,8 @@ from confluent_kafka.admin import AdminClient
 
 from outbox import ID_HEADER
 from outbox.records import OutboxRecord
-from relay.producers import ExactlyOncePublisher
-from relay.progress import ensure_progress_topic
+from outbox.relay.producers import ExactlyOncePublisher
+from outbox.relay.progress import ensure_progress_topic
 
 pytestmark = pytest.mark.integration
 

@@ -17,11 +17,11 @@ from confluent_kafka import KafkaError
 
 from outbox import Message, Outbox
 from outbox.records import OutboxRecord
+from outbox.relay.config import RelayConfig
+from outbox.relay.daemon import Relay
+from outbox.relay.policy import RetryPolicy
+from outbox.relay.producers import InFlight
 from outbox.sending import Ack, BatchResult
-from relay.config import RelayConfig
-from relay.daemon import Relay
-from relay.policy import RetryPolicy
-from relay.producers import InFlight
 
 pytestmark = pytest.mark.integration
 
@@ -270,7 +270,7 @@ def test_a_batch_refused_by_the_producer_itself_is_recorded_and_its_shard_goes_o
     """A record librdkafka refuses in produce() (larger than its message.max.bytes once the
     headers are counted) fails its batch before anything is in flight: the row is dead at once
     and the shard's later rows are read and sent. No broker is needed to show it."""
-    from relay.producers import AtLeastOncePublisher
+    from outbox.relay.producers import AtLeastOncePublisher
 
     class Unprobed(AtLeastOncePublisher):
         def check_reachable(self, timeout: float) -> None:

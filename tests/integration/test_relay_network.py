@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from chaos.proxy import FaultProxy
-from devstack.kafka import KafkaBroker
-from devstack.procs import free_port
+from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.procs import free_port
 from tests.relay_helpers import (
     publish_orders,
     start_relay_process,

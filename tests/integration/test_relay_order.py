@@ -13,16 +13,16 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka import KafkaError
 
-from chaos.proxy import FaultProxy
-from devstack.kafka import KafkaBroker
-from devstack.topics import consume_messages
 from outbox import ID_HEADER, Message, Outbox
+from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.topics import consume_messages
 from outbox.records import OutboxRecord
+from outbox.relay.policy import RETRIABLE, classify
+from outbox.relay.producers import AtLeastOncePublisher
+from outbox.relay.store import RelayStore
 from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
 from outbox.sending import order_gaps
-from relay.policy import RETRIABLE, classify
-from relay.producers import AtLeastOncePublisher
-from relay.store import RelayStore
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
 
 pytestmark = pytest.mark.integration

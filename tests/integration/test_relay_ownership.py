@@ -13,10 +13,10 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
 from outbox import Message, Outbox
+from outbox.relay.daemon import Relay
+from outbox.relay.producers import ExactlyOncePublisher
+from outbox.relay.progress import ensure_progress_topic
 from outbox.schema import SHARD_COUNT, shard_of
-from relay.daemon import Relay
-from relay.producers import ExactlyOncePublisher
-from relay.progress import ensure_progress_topic
 from tests.relay_helpers import relay_config, running_relay, wait_for
 
 pytestmark = pytest.mark.integration
@@ -97,7 +97,7 @@ def test_a_shard_given_up_after_its_producer_was_fenced_is_unlocked(
 def test_a_relay_that_cannot_reach_kafka_takes_no_shards_and_is_not_ready(
     engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
-    from devstack.procs import free_port
+    from outbox.devstack.procs import free_port
 
     topic = make_topic("unreachable")
     healthy = relay_config(outbox_url, bootstrap_servers, metrics_port=0)
@@ -124,8 +124,8 @@ def test_a_shard_let_go_with_a_hold_off_is_not_locked_again_until_it_ends(
 ) -> None:
     import psycopg
 
+    from outbox.relay.ownership import ShardOwnership
     from outbox.schema import DEFAULT_SPEC
-    from relay.ownership import ShardOwnership
 
     url = sa.make_url(outbox_url).set(drivername="postgresql")
     with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:

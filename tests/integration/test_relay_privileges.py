@@ -37,7 +37,7 @@ def make_role(engine: sa.Engine, outbox_url: str, *grants: str) -> str:
 def test_the_documented_grants_are_enough(
     outbox_url, engine, bootstrap_servers, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
-    from devstack.topics import consume_messages
+    from outbox.devstack.topics import consume_messages
 
     url = make_role(
         engine,

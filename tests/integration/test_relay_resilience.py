@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from devstack.kafka import KafkaBroker
-from devstack.topics import consume_messages
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.topics import consume_messages
 from tests.relay_helpers import (
     message_id,
     publish_orders,

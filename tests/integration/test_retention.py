@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from outbox import Message, Outbox
 from outbox.retention import AUDIT_GRACE, audit_horizon, purge_sent
-from spark_jobs.window import AuditWindow
+from outbox.spark_jobs.window import AuditWindow
 
 pytestmark = pytest.mark.integration
 

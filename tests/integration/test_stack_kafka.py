@@ -7,7 +7,7 @@ import uuid
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from devstack.topics import consume_all
+from outbox.devstack.topics import consume_all
 
 pytestmark = pytest.mark.integration
 

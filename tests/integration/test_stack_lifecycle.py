@@ -11,9 +11,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from devstack import LocalStack
-from devstack.procs import pid_alive
-from devstack.stack import sweep_stale_runs
+from outbox.devstack import LocalStack
+from outbox.devstack.procs import pid_alive
+from outbox.devstack.stack import sweep_stale_runs
 
 pytestmark = pytest.mark.integration
 

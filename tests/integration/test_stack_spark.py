@@ -6,7 +6,7 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from spark_jobs.jdbc import jdbc_options
+from outbox.spark_jobs.jdbc import jdbc_options
 
 pytestmark = pytest.mark.integration
 

@@ -25,9 +25,9 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
 import outbox
-from devstack.procs import free_port
-from devstack.topics import consume_messages
 from examples.fastapi_service import app as service
+from outbox.devstack.procs import free_port
+from outbox.devstack.topics import consume_messages
 from outbox.tracing import extract_context
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
 from tests.tracing_helpers import recorded_spans

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from chaos.audit import RowFacts, TopicRecord, order_violations
-from chaos.schedule import FAULT_KINDS, HOLDS, PROFILES, Fault, plan
-from chaos.verdict import Findings
-from spark_jobs import discrepancies as d
+from outbox.chaos.audit import RowFacts, TopicRecord, order_violations
+from outbox.chaos.schedule import FAULT_KINDS, HOLDS, PROFILES, Fault, plan
+from outbox.chaos.verdict import Findings
+from outbox.spark_jobs import discrepancies as d
 
 SHORT = PROFILES["short"]
 
@@ -134,7 +134,7 @@ def test_plan_only_prints_the_seeds_schedule_without_starting_anything() -> None
 
     from click.testing import CliRunner
 
-    from chaos.cli import chaos
+    from outbox.chaos.cli import chaos
 
     result = CliRunner().invoke(chaos, ["--seed", "5", "--plan-only"])
     assert result.exit_code == 0
@@ -146,8 +146,8 @@ def _invoke_with_outcome(monkeypatch: pytest.MonkeyPatch, tmp_path, outcome):  #
     """Run the CLI with the run's orchestration replaced by ``outcome`` (a result or error)."""
     from click.testing import CliRunner
 
-    from chaos import run as chaos_run
-    from chaos.cli import chaos
+    from outbox.chaos import run as chaos_run
+    from outbox.chaos.cli import chaos
 
     def execute(self: chaos_run.ChaosRun) -> chaos_run.ChaosResult:
         if isinstance(outcome, Exception):
@@ -189,7 +189,7 @@ def test_a_run_that_cannot_be_carried_out_exits_2_in_one_line_without_the_passwo
 ) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from devstack.procs import StackError
+    from outbox.devstack.procs import StackError
 
     error = StackError("PostgreSQL did not start: postgresql://app:hunter2@127.0.0.1:5/x\nmore")
     result = _invoke_with_outcome(monkeypatch, tmp_path, error)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from devstack import maven
-from devstack.kafka import KafkaBroker
-from devstack.postgres import data_root_for
-from devstack.procs import free_port, pid_alive
-from devstack.stack import StackInfo, _usable_port
+from outbox.devstack import maven
+from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.postgres import data_root_for
+from outbox.devstack.procs import free_port, pid_alive
+from outbox.devstack.stack import StackInfo, _usable_port
 
 
 def test_free_port_can_be_bound_on_loopback() -> None:

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spark_jobs import discrepancies as d
-from spark_jobs.window import AuditWindow, uuid7_floor
+from outbox.spark_jobs import discrepancies as d
+from outbox.spark_jobs.window import AuditWindow, uuid7_floor
 
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
 WINDOW = AuditWindow.day(T0.date(), grace=timedelta(minutes=15))

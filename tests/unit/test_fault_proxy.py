@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from chaos.proxy import FaultProxy
-from devstack.procs import free_port
+from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.procs import free_port
 
 
 @pytest.fixture

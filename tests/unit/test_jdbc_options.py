@@ -1,6 +1,6 @@
 import pytest
 
-from spark_jobs.jdbc import jdbc_options
+from outbox.spark_jobs.jdbc import jdbc_options
 
 
 def test_sqlalchemy_url_becomes_jdbc_options() -> None:

@@ -13,10 +13,10 @@ import pytest
 from outbox.errors import InvalidTopic
 from outbox.ids import uuid7_time_ms
 from outbox.schema import OutboxTableSpec
-from spark_jobs.classes import CLASSES
-from spark_jobs.discrepancies import skew_beyond
-from spark_jobs.report import RunSummary, parse_thresholds, render
-from spark_jobs.runs import (
+from outbox.spark_jobs.classes import CLASSES
+from outbox.spark_jobs.discrepancies import skew_beyond
+from outbox.spark_jobs.report import RunSummary, parse_thresholds, render
+from outbox.spark_jobs.runs import (
     RunNotFound,
     earlier_topics,
     find_run,
@@ -26,8 +26,8 @@ from spark_jobs.runs import (
     render_runs,
     run_dir,
 )
-from spark_jobs.sources import outbox_predicates, outbox_query, topic_pattern
-from spark_jobs.window import AuditWindow, parse_window, uuid7_floor
+from outbox.spark_jobs.sources import outbox_predicates, outbox_query, topic_pattern
+from outbox.spark_jobs.window import AuditWindow, parse_window, uuid7_floor
 
 DAY = AuditWindow.day(date(2026, 11, 21), grace=timedelta(minutes=10))
 

@@ -12,11 +12,11 @@ from confluent_kafka import KafkaError, KafkaException
 
 from outbox.errors import ConfigError
 from outbox.records import OutboxRecord
+from outbox.relay.config import RelayConfig, kafka_config_from_env, masked_kafka_config
+from outbox.relay.observability import HealthState, JsonFormatter, mask_secrets
+from outbox.relay.policy import RETRIABLE, RetryPolicy, classify
+from outbox.relay.progress import decode_progress, encode_progress
 from outbox.sending import Ack, BatchResult, kafka_error_of, order_gaps
-from relay.config import RelayConfig, kafka_config_from_env, masked_kafka_config
-from relay.observability import HealthState, JsonFormatter, mask_secrets
-from relay.policy import RETRIABLE, RetryPolicy, classify
-from relay.progress import decode_progress, encode_progress
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from opentelemetry import trace
 
 from outbox.message import Message, encode_message
 from outbox.records import OutboxRecord
+from outbox.relay.tracing import batch_span, start_batch_span
 from outbox.serialization import JsonSerializer
 from outbox.tracing import current_trace_headers, extract_context
-from relay.tracing import batch_span, start_batch_span
 from tests.tracing_helpers import recorded_spans
 
 tracer = trace.get_tracer("tests")
