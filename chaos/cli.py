@@ -97,7 +97,7 @@ def chaos(
         click.echo("outbox chaos: interrupted; its servers and relays are stopped", err=True)
         sys.exit(130)
     except Exception as exc:
-        from outbox.relay.observability import mask_secrets
+        from outbox.redaction import mask_secrets
 
         error = mask_secrets(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"[:500])
         click.echo(f"outbox chaos: the run could not be carried out: {error}", err=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outbox.errors import (
     ConfigError,
@@ -33,10 +33,12 @@ from outbox.errors import (
     PermissionDenied,
     SerializationError,
 )
-from outbox.immediate import ImmediateSender
 from outbox.message import ID_HEADER, Message, PublishResult
 from outbox.publisher import AsyncOutboxTransaction, Outbox, OutboxTransaction
 from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
+
+if TYPE_CHECKING:
+    from outbox.immediate import ImmediateSender
 
 __version__ = "0.1.0"
 
@@ -72,6 +74,16 @@ __all__ = [
 ]
 
 _default: Outbox | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # ImmediateSender brings librdkafka (confluent_kafka) with it: it loads on first use, so
+    # a service that only writes to the outbox never loads the Kafka client.
+    if name == "ImmediateSender":
+        from outbox.immediate import ImmediateSender
+
+        return ImmediateSender
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def configure(*args: Any, **kwargs: Any) -> Outbox:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import click
+
+from outbox.errors import OutboxError
+from outbox.redaction import mask_secrets
+from outbox.schema import OutboxTableSpec
+
+T = TypeVar("T")
 
 DATABASE_URL = click.option(
     "--database-url",
@@ -58,3 +64,24 @@ def parse_key_values(settings: tuple[str, ...], option: str = "-X") -> dict[str,
             raise click.BadParameter(f"{setting!r} is not KEY=VALUE", param_hint=option)
         parsed[key.strip()] = value
     return parsed
+
+
+def table_spec(schema: str, table: str) -> OutboxTableSpec:
+    """The table ``--schema`` and ``--table`` name; a bad identifier is a usage error."""
+    try:
+        return OutboxTableSpec(schema=schema, table=table)
+    except OutboxError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def run_db_step(step: Callable[[], T]) -> T:
+    """Run a database operation; a failure becomes one clear line, not a traceback."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return step()
+    except OutboxError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise click.ClickException(f"database error: {mask_secrets(reason)}") from exc

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,15 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")
-_KEYWORD_SECRET = re.compile(
-    r"((?:password|passwd|secret|sasl\.password|token)\s*[=:]\s*)(\S+)", re.IGNORECASE
-)
-
-
-def mask_secrets(text: str) -> str:
-    """Hide passwords in URLs (``user:***@host``) and ``password=...`` pairs."""
-    return _KEYWORD_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+# Re-exported: the relay masks what it logs with the library's one implementation.
+from outbox.redaction import mask_secrets as mask_secrets
 
 
 class JsonFormatter(logging.Formatter):

@@ -25,7 +25,7 @@ from outbox.cli_options import (
 )
 from outbox.durations import parse_duration
 from outbox.errors import OutboxError
-from outbox.relay.observability import mask_secrets as redact
+from outbox.redaction import mask_secrets as redact
 from outbox.schema import OutboxTableSpec
 
 # Plain Python: PySpark loads only when the job runs.

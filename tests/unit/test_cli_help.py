@@ -63,3 +63,38 @@ def test_relay_help_shows_every_variable_the_relay_docs_name() -> None:
     text = relay_help()
     assert not sorted(name for name in relay_options if name not in text)
     assert "OUTBOX_KAFKA_<NAME>" in text
+
+
+def test_lazy_commands_list_the_help_their_commands_give() -> None:
+    # `outbox --help` shows LAZY_COMMANDS' text without importing the commands' modules.
+    import importlib
+
+    from outbox.cli import LAZY_COMMANDS
+
+    for name, (module, attribute, short_help, _) in LAZY_COMMANDS.items():
+        command = getattr(importlib.import_module(module), attribute)
+        assert command.name == name
+        assert command.get_short_help_str(1000) == short_help, name
+
+
+def test_the_top_level_help_loads_neither_kafka_nor_spark_nor_prometheus() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import outbox\n"
+        "from outbox.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('confluent_kafka', 'pyspark', 'prometheus_client', 'outbox.relay',"
+        " 'outbox.spark_jobs', 'outbox.devstack', 'outbox.chaos')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert "relay" in out and "reconcile" in out  # the help listed them ...
+    assert out.strip().splitlines()[-1] == "[]"  # ... and loaded none of them

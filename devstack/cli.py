@@ -1,0 +1,68 @@
+"""``outbox dev``: the local stack's command line (prepare, up, down, status)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import click
+
+T = TypeVar("T")
+
+
+@click.group()
+def dev() -> None:
+    """The local stack: PostgreSQL + Apache Kafka (KRaft) + Spark jars on 127.0.0.1."""
+
+
+@dev.command()
+def prepare() -> None:
+    """Install PostgreSQL if missing and resolve the Kafka and Spark jars (idempotent)."""
+    from outbox.devstack import prepare as prepare_stack
+
+    _run_stack_step(prepare_stack)
+    click.echo("local stack prepared")
+
+
+@dev.command()
+@click.option("--name", default="dev", show_default=True, help="Stack instance name.")
+def up(name: str) -> None:
+    """Start the stack (or keep it running) and print its connection settings."""
+    from outbox.devstack import LocalStack
+
+    info = _run_stack_step(lambda: LocalStack.named(name).up())
+    for key, value in info.as_env().items():
+        click.echo(f"{key}={value}")
+
+
+@dev.command()
+@click.option("--name", default="dev", show_default=True, help="Stack instance name.")
+def down(name: str) -> None:
+    """Stop the stack's servers and remove their data."""
+    from outbox.devstack import LocalStack
+
+    _run_stack_step(lambda: LocalStack.named(name).down())
+    click.echo(f"stack '{name}' stopped")
+
+
+@dev.command()
+@click.option("--name", default="dev", show_default=True, help="Stack instance name.")
+def status(name: str) -> None:
+    """Say which of the stack's servers are running; exit 1 unless all are."""
+    from outbox.devstack import LocalStack
+
+    states = LocalStack.named(name).status()
+    for server, running in states.items():
+        click.echo(f"{server}: {'running' if running else 'stopped'}")
+    sys.exit(0 if all(states.values()) else 1)
+
+
+def _run_stack_step(step: Callable[[], T]) -> T:
+    """Run a stack operation, turning its failure into one clear error line."""
+    from outbox.devstack import StackError
+
+    try:
+        return step()
+    except StackError as exc:
+        raise click.ClickException(str(exc)) from exc
