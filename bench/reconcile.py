@@ -6,7 +6,7 @@ For each size N (default 1M, 3M, 10M), on one stack, in one run:
               as a Parquet archive made by Spark from the same formulas, with faults planted
               every 100,000 messages: one record left out (missing), one with another value
               (payload mismatch) and one extra record with an id no row has (phantom).
-  spark       `spark_jobs.reconcile.run` against the archive: JDBC read, match, classify,
+  spark       `outbox.spark_jobs.reconcile.run` against the archive: JDBC read, match, classify,
               write discrepancy rows (local[2], all in-process; the session is started once).
   baseline    the same audit done by PostgreSQL alone: COPY the topic export (CSV, made
               beforehand) into a table, then one SQL statement counting every class.

@@ -19,7 +19,7 @@ from outbox.queries import Queries
 from outbox.schema import SENT, OutboxTableSpec
 
 #: The slack the nightly reconciliation reads at each edge of the day it audits (the
-#: ``--grace`` default of ``outbox reconcile``, ``spark_jobs.window.AuditWindow.grace``): rows
+#: ``--grace`` default of ``outbox reconcile``, ``AuditWindow.grace``): rows
 #: made up to this long before the audited day are still read, so they must still be there.
 AUDIT_GRACE = timedelta(minutes=15)
 

@@ -2,7 +2,7 @@
 
 Plain Python, so the parts that only read a run's output (``outbox reconcile show`` and
 ``list``, the report) work without PySpark. What each class means is decided in
-:mod:`spark_jobs.discrepancies`.
+:mod:`outbox.spark_jobs.discrepancies`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``outbox reconcile``: the reconciliation job's command line (also its spark-submit entry).
 
 ``outbox reconcile [options]`` runs an audit; ``outbox reconcile show RUN`` and ``list`` read
-the runs already made (see :mod:`spark_jobs.runs`). PySpark is imported only when an audit
+the runs already made (see :mod:`outbox.spark_jobs.runs`). PySpark is imported only when an audit
 runs, so the rest of the ``outbox`` CLI, ``show`` and ``list`` work without it.
 """
 

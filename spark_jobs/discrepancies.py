@@ -7,7 +7,7 @@ id). :func:`match` joins them once, by message id, into one row per message: its
 then a condition on that row, so all of them are found in a single pass (:func:`find`), and
 each can be asked for alone (:func:`missing`, :func:`duplicates`, ...).
 
-Only messages made inside the audit window count (see :mod:`spark_jobs.window`); the frames
+Only messages made inside the audit window count (see :mod:`outbox.spark_jobs.window`); the frames
 may hold more, read for the grace period at the edges.
 """
 

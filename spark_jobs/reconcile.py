@@ -2,7 +2,7 @@
 
 Run it with ``outbox reconcile ...`` (local Spark) or ``spark-submit spark_jobs/reconcile.py
 ...`` (any cluster; the same options). Everything that decides what is a discrepancy lives in
-:mod:`spark_jobs.discrepancies`; this module only reads, writes and counts.
+:mod:`outbox.spark_jobs.discrepancies`; this module only reads, writes and counts.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ReconcileConfig:
     """Everything one run needs; the CLI builds it from options.
 
     ``output`` is the run's own directory (the CLI makes it ``<base>/<run_id>``, see
-    :mod:`spark_jobs.runs`).
+    :mod:`outbox.spark_jobs.runs`).
     """
 
     database_url: str
@@ -62,7 +62,7 @@ class ReconcileConfig:
     runs_table: str | None = None
     jdbc_slices: int = 8
     fetch_size: int = 10_000
-    #: The run's id; a new one (see :func:`spark_jobs.runs.new_run_id`) when None.
+    #: The run's id; a new one (see :func:`outbox.spark_jobs.runs.new_run_id`) when None.
     run_id: str | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""The two sides of a reconciliation, read into the frames :mod:`spark_jobs.discrepancies` takes.
+"""The two sides of a reconciliation, read into the frames that
+:mod:`outbox.spark_jobs.discrepancies` takes.
 
 The outbox is read over JDBC; the topic side from Kafka (Spark's Kafka source in batch mode)
 or from an archive of the topic in Parquet or JSON lines. Both topic sources yield the same
