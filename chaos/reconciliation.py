@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from outbox.spark_jobs.cli import run_on_spark
+from outbox.spark_jobs.cli import SparkSetup, run_on_spark
 from outbox.spark_jobs.reconcile import ReconcileConfig
 from outbox.spark_jobs.report import RunSummary
 from outbox.spark_jobs.window import AuditWindow
@@ -34,4 +34,4 @@ def reconcile_run(
         late_after=timedelta(minutes=10),
         jdbc_slices=2,
     )
-    return run_on_spark(config, master="local[2]", driver_memory="1g")
+    return run_on_spark(config, SparkSetup(master="local[2]", driver_memory="1g"))

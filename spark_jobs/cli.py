@@ -7,9 +7,12 @@ runs, so the rest of the ``outbox`` CLI, ``show`` and ``list`` work without it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +34,7 @@ from outbox.schema import OutboxTableSpec
 # Plain Python: PySpark loads only when the job runs.
 from outbox.spark_jobs import runs
 from outbox.spark_jobs.classes import CLASSES
+from outbox.spark_jobs.jars import SPARK_PACKAGES
 from outbox.spark_jobs.window import AuditWindow, parse_window
 from outbox.validation import validate_identifier
 
@@ -186,6 +190,34 @@ OUTPUT = click.option(
     help="Spark master [default: local[*], or spark-submit's when run under it].",
 )
 @click.option("--driver-memory", default="4g", show_default=True, help="Local mode only.")
+@click.option(
+    "--jars",
+    "jars",
+    multiple=True,
+    envvar="OUTBOX_SPARK_JARS",
+    show_envvar=True,
+    metavar="PATHS",
+    help="Jars for the driver and the executors, comma-separated (repeatable) [default: the "
+    "local stack's when run from a source checkout, else --packages' default].",
+)
+@click.option(
+    "--packages",
+    "packages",
+    multiple=True,
+    envvar="OUTBOX_SPARK_PACKAGES",
+    show_envvar=True,
+    metavar="COORDINATES",
+    help="Maven coordinates Spark resolves itself, comma-separated (repeatable) [default, "
+    f"without --jars and outside a source checkout: {','.join(SPARK_PACKAGES)}].",
+)
+@click.option(
+    "--conf",
+    "spark_conf",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A Spark setting, e.g. --conf spark.executor.memory=2g (repeatable); overrides the "
+    "job's own.",
+)
 @click.option("--jdbc-slices", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--fetch-size", default=10_000, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="End with the summary as one JSON line.")
@@ -215,6 +247,9 @@ def reconcile(
     runs_table: str | None,
     master: str | None,
     driver_memory: str,
+    jars: tuple[str, ...],
+    packages: tuple[str, ...],
+    spark_conf: tuple[str, ...],
     jdbc_slices: int,
     fetch_size: int,
     as_json: bool,
@@ -262,6 +297,13 @@ def reconcile(
             jdbc_slices=jdbc_slices,
             fetch_size=fetch_size,
         )
+        spark_setup = SparkSetup(
+            master=master,
+            driver_memory=driver_memory,
+            jars=_split(jars),
+            packages=_split(packages),
+            conf=parse_key_values(spark_conf, "--conf"),
+        )
     except (OutboxError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     _check_database(database_url, spec)
@@ -272,7 +314,7 @@ def reconcile(
         _check_kafka(bootstrap_servers)
 
     click.echo(f"run {run_id}: writing to {config.output}", err=True)
-    summary = run_on_spark(config, master, driver_memory)
+    summary = run_on_spark(config, spark_setup)
     click.echo(render(summary))
     if as_json:
         click.echo(json.dumps(summary.to_json()))
@@ -356,27 +398,65 @@ def list_(output: str, limit: int, as_json: bool) -> None:
         click.echo(f"no runs under {output}")
 
 
-def run_on_spark(config: ReconcileConfig, master: str | None, driver_memory: str) -> RunSummary:
-    """Run the job on a session made for it (local mode gets the stack's jars) and stop it.
+def _split(values: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeated options and comma-separated lists, as spark-submit takes them, into one list."""
+    return tuple(part.strip() for value in values for part in value.split(",") if part.strip())
 
-    Spark's own failures become a one-line :class:`JobError`.
+
+@dataclass(frozen=True)
+class SparkSetup:
+    """Where and how the job's Spark session runs: the master and what its JVMs need."""
+
+    #: ``local[*]``, ``spark://host:7077``, ``yarn``, ``k8s://...``; None: spark-submit's.
+    master: str | None = None
+    driver_memory: str = "4g"
+    #: Local jar paths and Maven coordinates; with neither, see :func:`default_jars`.
+    jars: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()
+    #: Spark settings given with --conf, applied last.
+    conf: Mapping[str, str] = field(default_factory=dict)
+
+
+def default_jars() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(jars, packages) when none are given: the local stack's jars in a source checkout
+    (resolved once from Maven Central, so runs need no network), else the pinned packages."""
+    if importlib.util.find_spec("outbox.devstack") is None:  # an installed wheel
+        return (), SPARK_PACKAGES
+    from outbox.devstack import StackError, spark_jars
+
+    try:
+        return tuple(str(jar) for jar in spark_jars()), ()
+    except StackError as exc:  # Maven missing or offline: say so in one line
+        raise JobError(f"cannot resolve the local stack's Spark jars: {exc}") from None
+
+
+def run_on_spark(config: ReconcileConfig, setup: SparkSetup | None = None) -> RunSummary:
+    """Run the job on a session made for it and stop it; Spark's own failures become a
+    one-line :class:`JobError`.
+
+    Every master gets the jars: under spark-submit they come from its own --jars/--packages
+    (the driver's JVM is running by then); otherwise from ``setup`` or :func:`default_jars`.
     """
     from outbox.spark_jobs.reconcile import run
     from outbox.spark_jobs.session import build_session
 
+    setup = setup or SparkSetup()
+    master = setup.master
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit launched this driver
     if master is None and not under_submit:
         master = "local[*]"
-    jars: list[str] = []
+    jars, packages = setup.jars, setup.packages
+    if not (jars or packages or under_submit):
+        jars, packages = default_jars()
     # The job reports its own progress, line by line; Spark's bar redraws one line.
     conf = {"spark.ui.showConsoleProgress": "false"}
     if master and master.startswith("local"):
-        from outbox.devstack.stack import spark_jars
-
-        jars = [str(jar) for jar in spark_jars()]
-        conf["spark.driver.memory"] = driver_memory
+        conf["spark.driver.memory"] = setup.driver_memory
+    conf.update(setup.conf)
     try:
-        spark = build_session("outbox-reconcile", master=master, jars=jars, extra_conf=conf)
+        spark = build_session(
+            "outbox-reconcile", master=master, jars=jars, packages=packages, extra_conf=conf
+        )
     except Exception as exc:  # a missing JVM surfaces as several exception types
         raise JobError(f"cannot start Spark: {str(exc).strip().splitlines()[0]}") from None
     spark.sparkContext.setLogLevel("WARN")

@@ -273,7 +273,14 @@ def record_run(
     frame.write.jdbc(url, config.runs_table, mode="append", properties=options)
 
 
-if __name__ == "__main__":  # spark-submit spark_jobs/reconcile.py --database-url ... (see --help)
+if __name__ == "__main__":  # spark-submit .../outbox/spark_jobs/reconcile.py --database-url ...
+    import sys
+
+    # Run as a file, this folder comes first on sys.path, where its modules (window, report,
+    # session, ...) would shadow top-level ones of the same names: the package is imported
+    # by its full name instead.
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
     from outbox.spark_jobs.cli import reconcile
 
     reconcile()

@@ -1,12 +1,21 @@
-"""Building the SparkSession the jobs run in."""
+"""Building the SparkSession the jobs run in, on any master.
+
+The job needs two jars beside Spark's own: the Kafka source and the PostgreSQL JDBC driver.
+Whatever master it runs on, the driver and every executor must have them, so they go to
+``spark.jars`` (local paths; Spark serves them to executors from the driver) or to
+``spark.jars.packages`` (Maven coordinates that Spark resolves itself, see
+:data:`outbox.spark_jobs.jars.SPARK_PACKAGES`).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pyspark.sql import SparkSession
+
+LOGGING_CONF = Path(__file__).with_name("log4j2.properties")
 
 
 def build_session(
@@ -14,31 +23,33 @@ def build_session(
     *,
     master: str | None = "local[2]",
     jars: Sequence[str] = (),
+    packages: Sequence[str] = (),
     shuffle_partitions: int = 8,
-    extra_conf: dict[str, str] | None = None,
+    extra_conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
-    """A SparkSession with the Kafka source and JDBC driver jars on its classpath.
+    """A SparkSession with the given jars (local paths) and packages (Maven coordinates).
 
-    ``master=None`` leaves the master to ``spark-submit``; ``jars`` are local paths (the stack
-    resolves them from Maven Central once, so runs need no network).
+    ``master=None`` leaves the master to ``spark-submit``. A local master keeps the driver on
+    loopback with its web UI off. ``extra_conf`` comes last, so it overrides all of this.
     """
     builder = SparkSession.builder.appName(app_name)
     if master:
-        builder = builder.master(master)
+        builder = builder.master(master).config(
+            # The driver runs here: its log to warnings, as in local mode.
+            "spark.driver.extraJavaOptions",
+            f"-Dlog4j2.configurationFile={LOGGING_CONF}",
+        )
         if master.startswith("local"):
-            # Keep a local driver on loopback, its web UI off and its log to warnings.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-            logging_conf = Path(__file__).with_name("log4j2.properties")
             builder = (
-                builder.config(
-                    "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={logging_conf}"
-                )
-                .config("spark.driver.host", "127.0.0.1")
+                builder.config("spark.driver.host", "127.0.0.1")
                 .config("spark.driver.bindAddress", "127.0.0.1")
                 .config("spark.ui.enabled", "false")
             )
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
+    if packages:
+        builder = builder.config("spark.jars.packages", ",".join(packages))
     builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions)).config(
         "spark.sql.session.timeZone", "UTC"
     )

@@ -305,3 +305,33 @@ def test_runs_are_listed_newest_first_and_shown_by_class(tmp_path: Path) -> None
     text = render_run(latest, rows, 3)
     assert "phantom: 5\n  ghost-0  orders  -  -" in text and "... 2 more" in text
     assert "missing: 1\n  lost-1  orders  -  sent" in text
+
+
+def test_the_default_packages_are_the_versions_the_stack_resolves_and_pyproject_pins() -> None:
+    import re
+    import tomllib
+
+    from outbox.spark_jobs.jars import SPARK_PACKAGES
+
+    root = Path(__file__).resolve().parents[2]
+    pom = (root / "devstack" / "maven" / "spark" / "pom.xml").read_text()
+    prop = {k: v for k, v in re.findall(r"<([a-z.]+\.version)>([^<]+)<", pom)}
+    assert (
+        f"org.apache.spark:spark-sql-kafka-0-10_{prop['scala.binary.version']}:"
+        f"{prop['spark.version']}",
+        f"org.postgresql:postgresql:{prop['postgresql.version']}",
+    ) == SPARK_PACKAGES
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert extras["optional-dependencies"]["spark"] == [f"pyspark=={prop['spark.version']}"]
+
+
+def test_spark_options_take_lists_and_repeats_as_spark_submit_does() -> None:
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+    from outbox.spark_jobs.cli import _split
+
+    assert _split(("a.jar,b.jar", " c.jar ", "")) == ("a.jar", "b.jar", "c.jar")
+    args = ["reconcile", "--database-url", "x", "--bootstrap-servers", "k:9092", "--conf", "nokey"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "'nokey' is not KEY=VALUE" in result.output
