@@ -86,6 +86,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 def configure(*args: Any, **kwargs: Any) -> Outbox:
     """Set up the module-level outbox used by :func:`publish`, :func:`transaction` & co.
 
