@@ -14,42 +14,49 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
 from outbox.cli_options import DATABASE_URL, SCHEMA, TABLE, run_db_step, table_spec
 from outbox.errors import OutboxError
 
-#: Commands defined in other packages, by name: (module, command attribute, short help shown
-#: by ``outbox --help`` without importing the module, what to say when it is not installed).
-#: tests/unit/test_cli_help.py checks the short help against each command's own.
-LAZY_COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "relay": (
+
+class LazyCommand(NamedTuple):
+    """A command defined in another package, imported only when it runs."""
+
+    module: str
+    attribute: str
+    #: Shown by ``outbox --help`` without importing the module; tests/unit/test_cli_help.py
+    #: checks it against the command's own.
+    short_help: str
+    #: Why the command is missing from an installed package, if it can be.
+    unavailable: str = ""
+
+
+_TOOLING = "development tooling: it runs from a source checkout (pip install -e .), not from "
+LAZY_COMMANDS = {
+    "relay": LazyCommand(
         "outbox.relay.cli",
         "relay",
         "Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT).",
-        "",
     ),
-    "reconcile": (
+    "reconcile": LazyCommand(
         "outbox.spark_jobs.cli",
         "reconcile",
         "Audit the outbox against what landed on the topics; exit 1 when over the limits.",
-        "",
     ),
-    "dev": (
+    "dev": LazyCommand(
         "outbox.devstack.cli",
         "dev",
         "The local stack: PostgreSQL + Apache Kafka (KRaft) + Spark jars on 127.0.0.1.",
-        "the local stack is development tooling: it runs from a source checkout "
-        "(pip install -e .), not from the installed package",
+        f"the local stack is {_TOOLING}the installed package",
     ),
-    "chaos": (
+    "chaos": LazyCommand(
         "outbox.chaos.cli",
         "chaos",
         "Break things on purpose and prove nothing was lost, invented or reordered.",
-        "chaos runs are development tooling: they run from a source checkout "
-        "(pip install -e .), not from the installed package",
+        f"chaos runs are {_TOOLING}the installed package",
     ),
 }
 
@@ -63,16 +70,16 @@ class LazyGroup(click.Group):
     """A group that imports a command's module only when that command runs."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        lazy = [name for name, (module, *_) in LAZY_COMMANDS.items() if _installed(module)]
+        lazy = [name for name, lazy in LAZY_COMMANDS.items() if _installed(lazy.module)]
         return sorted({*super().list_commands(ctx), *lazy})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in LAZY_COMMANDS:
             return super().get_command(ctx, cmd_name)
-        module, attribute, _, missing = LAZY_COMMANDS[cmd_name]
-        if not _installed(module):
-            ctx.fail(f"outbox {cmd_name}: {missing}")
-        command = getattr(importlib.import_module(module), attribute)
+        lazy = LAZY_COMMANDS[cmd_name]
+        if not _installed(lazy.module):
+            ctx.fail(f"outbox {cmd_name}: {lazy.unavailable}")
+        command = getattr(importlib.import_module(lazy.module), lazy.attribute)
         assert isinstance(command, click.Command)
         return command
 
@@ -85,8 +92,9 @@ class LazyGroup(click.Group):
         limit = formatter.width - 6 - max(len(name) for name in names)
         rows = []
         for name in names:
+            command: click.Command | None
             if name in LAZY_COMMANDS:  # a stand-in that only carries the help text
-                command: click.Command | None = click.Command(name, help=LAZY_COMMANDS[name][2])
+                command = click.Command(name, help=LAZY_COMMANDS[name].short_help)
             else:
                 command = super().get_command(ctx, name)
             if command is not None and not command.hidden:

@@ -71,10 +71,10 @@ def test_lazy_commands_list_the_help_their_commands_give() -> None:
 
     from outbox.cli import LAZY_COMMANDS
 
-    for name, (module, attribute, short_help, _) in LAZY_COMMANDS.items():
-        command = getattr(importlib.import_module(module), attribute)
+    for name, lazy in LAZY_COMMANDS.items():
+        command = getattr(importlib.import_module(lazy.module), lazy.attribute)
         assert command.name == name
-        assert command.get_short_help_str(1000) == short_help, name
+        assert command.get_short_help_str(1000) == lazy.short_help, name
 
 
 def test_the_top_level_help_loads_neither_kafka_nor_spark_nor_prometheus() -> None:
