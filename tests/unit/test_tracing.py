@@ -23,15 +23,15 @@ tracer = trace.get_tracer("tests")
 def test_without_opentelemetry_loaded_nothing_imports_it() -> None:
     code = """
 import sys
-import outbox, outbox.tracing, relay.daemon, relay.tracing
+import outbox, outbox.tracing, outbox.relay.daemon, outbox.relay.tracing
 from outbox.message import Message, encode_message
 from outbox.serialization import JsonSerializer
 
 headers = outbox.tracing.current_trace_headers()
 encoded = encode_message(Message("t", 1), JsonSerializer(), 1000, headers)
-with relay.tracing.batch_span([]):
+with outbox.relay.tracing.batch_span([]):
     pass
-relay.tracing.start_batch_span([])()
+outbox.relay.tracing.start_batch_span([])()
 loaded = sorted(name for name in sys.modules if name.startswith("opentelemetry"))
 assert headers == [] and not loaded, loaded
 """
