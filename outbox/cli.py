@@ -592,5 +592,16 @@ def _add_chaos() -> None:
 
 _add_chaos()
 
+
+def _add_inbox() -> None:
+    # The consuming side: `outbox consume` and `outbox inbox ...` live with their package.
+    from outbox.inbox.cli import consume, inbox
+
+    main.add_command(consume)
+    main.add_command(inbox)
+
+
+_add_inbox()
+
 if __name__ == "__main__":
     main()
