@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -25,7 +26,10 @@ CREATE TABLE IF NOT EXISTS ledger (
     n bigint NOT NULL,
     amount bigint NOT NULL,
     kafka_partition int NOT NULL,
-    kafka_offset bigint NOT NULL
+    kafka_offset bigint NOT NULL,
+    applied_by int NOT NULL DEFAULT pg_backend_pid(),
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    pid int
 );
 CREATE TABLE IF NOT EXISTS fail_plan (
     n bigint PRIMARY KEY,
@@ -34,8 +38,8 @@ CREATE TABLE IF NOT EXISTS fail_plan (
 """
 
 _INSERT = sa.text(
-    "INSERT INTO ledger (message_id, topic, key, n, amount, kafka_partition, kafka_offset)"
-    " VALUES (:id, :topic, :key, :n, :amount, :partition, :offset)"
+    "INSERT INTO ledger (message_id, topic, key, n, amount, kafka_partition, kafka_offset, pid)"
+    " VALUES (:id, :topic, :key, :n, :amount, :partition, :offset, :pid)"
 )
 _FAIL = sa.text(
     "UPDATE fail_plan SET failures_left = failures_left - 1"
@@ -53,6 +57,8 @@ class PlannedFailure(RuntimeError):
 
 def apply(message: InboxMessage, session: Any) -> dict[str, Any]:
     value = message.value
+    if value.get("sleep"):
+        time.sleep(value["sleep"])  # a slow handler, so that faults land mid-batch
     with _lock:
         ATTEMPTS[value["n"]] = ATTEMPTS.get(value["n"], 0) + 1
     return {
@@ -60,9 +66,10 @@ def apply(message: InboxMessage, session: Any) -> dict[str, Any]:
         "topic": message.topic,
         "key": message.key.decode() if message.key is not None else None,
         "n": value["n"],
-        "amount": value.get("amount", 1),
+        "amount": value.get("amount", value["n"]),
         "partition": message.partition,
         "offset": message.offset,
+        "pid": os.getpid(),
     }
 
 

@@ -26,7 +26,7 @@ from tests.relay_helpers import STARTED, RelayProcess, wait_for
 def prepare_database(url: str) -> sa.Engine:
     """Inbox tables and the ledger on ``url``; returns an engine on it."""
     install(url)
-    engine = sa.create_engine(url)
+    engine = sa.create_engine(url, pool_pre_ping=True)
     with engine.begin() as conn:
         conn.exec_driver_sql(LEDGER_DDL)
     return engine
@@ -41,6 +41,7 @@ def produce(
     ids: dict[int, uuid.UUID] | None = None,
     extra: dict[int, dict[str, Any]] | None = None,
     copies: int = 1,
+    sleep: float = 0.0,
 ) -> dict[int, uuid.UUID]:
     """One record per n (``copies`` of each, same outbox-id), key ``key-{n % keys}``, value
     ``{"n": n, "amount": n}``. Returns the ids used."""
@@ -49,6 +50,8 @@ def produce(
     for n in numbers:
         message_id = ids.setdefault(n, uuid.uuid4())
         value = {"n": n, "amount": n, **(extra or {}).get(n, {})}
+        if sleep:
+            value["sleep"] = sleep
         for _ in range(copies):
             producer.produce(
                 topic,
@@ -87,12 +90,18 @@ def assert_exactly_once(engine: sa.Engine, numbers: range | list[int]) -> None:
     assert sum(row.amount for row in rows) == sum(numbers)
 
 
-def assert_key_order(engine: sa.Engine) -> None:
-    """Within each key, ledger rows (commit order) have increasing n."""
-    last: dict[str, int] = {}
+def assert_partition_order(engine: sa.Engine) -> None:
+    """Within each partition, records were applied in offset order: the ledger's ids (taken
+    as rows are written) increase with the offsets."""
+    last: dict[tuple[str, int], Any] = {}
     for row in ledger(engine):
-        assert row.n > last.get(row.key, -1), f"key {row.key}: {row.n} after {last[row.key]}"
-        last[row.key] = row.n
+        tp = (row.topic, row.kafka_partition)
+        before = last.get(tp)
+        assert before is None or row.kafka_offset > before.kafka_offset, (
+            f"partition {tp}: offset {row.kafka_offset} (n={row.n}, pid {row.pid}) applied "
+            f"after offset {before.kafka_offset} (n={before.n}, pid {before.pid})"
+        )
+        last[tp] = row
 
 
 def consumer_config(url: str, bootstrap: str, **overrides: Any) -> ConsumerConfig:

@@ -3,6 +3,7 @@ messages), registered on the ``outbox`` command line by ``outbox.cli``."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -151,7 +152,6 @@ def consume(
     MODULE:INBOX names an outbox.inbox.Inbox, e.g. myapp.handlers:inbox. SIGTERM finishes
     the batch in hand, commits its offsets and leaves the group.
     """
-    import logging
     import signal
     import threading
 
@@ -210,9 +210,26 @@ def consume(
 def _configure_logging(level: str) -> None:
     import logging
 
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class _Formatter(logging.Formatter):
+    """A plain line, then the record's ``extra=`` fields as key=value (secrets masked)."""
+
+    _standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        extras = " ".join(
+            f"{key}={value!r}"
+            for key, value in record.__dict__.items()
+            if key not in self._standard and not key.startswith("_")
+        )
+        line = super().format(record) + (f" {extras}" if extras else "")
+        return _redact(line)
 
 
 @click.group()

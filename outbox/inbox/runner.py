@@ -171,8 +171,7 @@ class InboxRunner:
                     self.health.kafka_ok = False
                 else:
                     log.warning("Kafka error", extra={"error": str(error)})
-            if batch:
-                self.health.kafka_ok = True
+            if batch:  # (records from the local queue say nothing about the broker)
                 self._apply(consumer, applier, batch)
             self._commit(consumer)
             if now >= next_lag:
@@ -251,8 +250,9 @@ class InboxRunner:
             # Kept, and tried again with the next commit: a commit lost for good (the process
             # dies first) replays records the inbox then skips.
             if not self._commit_failing:
-                log.warning("offset commit failed; will retry", extra={"error": str(exc)})
+                log.warning(f"offset commit failed; will retry: {exc}")
             self._commit_failing = True
+            self.health.kafka_ok = False
             return
         self._commit_failing = False
         self.health.kafka_ok = True
@@ -358,4 +358,10 @@ class InboxRunner:
             "enable.auto.offset.store": False,
             "isolation.level": "read_committed",
         }
+        settings.setdefault("error_cb", self._kafka_error)
         return settings
+
+    def _kafka_error(self, error: KafkaError) -> None:
+        if error.code() in _BROKER_DOWN:
+            self.health.kafka_ok = False
+        log.warning(f"Kafka client error: {error}")

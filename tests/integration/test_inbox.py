@@ -18,7 +18,7 @@ from outbox.inbox import BY_OFFSET
 from tests import inbox_app
 from tests.inbox_helpers import (
     assert_exactly_once,
-    assert_key_order,
+    assert_partition_order,
     consumer_config,
     ledger,
     ledger_count,
@@ -60,7 +60,7 @@ def test_records_produced_twice_are_applied_once(
         wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 200, 60, "dups")
         wait_for(lambda: ledger_count(inbox_engine) >= 600, 60, "all applied")
     assert_exactly_once(inbox_engine, numbers)
-    assert_key_order(inbox_engine)
+    assert_partition_order(inbox_engine)
     assert runner.metrics.processed.labels(topic)._value.get() == 600
     with inbox_engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM inbox")).scalar_one() == 600
@@ -185,4 +185,4 @@ def test_async_handlers_get_an_async_session(
     with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
         wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 100, 60, "dups")
     assert_exactly_once(inbox_engine, range(100))
-    assert_key_order(inbox_engine)
+    assert_partition_order(inbox_engine)
