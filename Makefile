@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 .PHONY: help setup demo test lint typecheck pytest up down status clean bench-write bench-relay \
-	bench-reconcile chaos
+	bench-reconcile bench-consume chaos
 
 help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench-write   write-path benchmark (BENCH_ARGS='--n 10000')"
 	@echo "make bench-relay   relay benchmark (BENCH_ARGS='--n 100000' for a quick run)"
 	@echo "make bench-reconcile   reconciliation benchmark (BENCH_ARGS='--sizes 100000,300000')"
+	@echo "make bench-consume   inbox consumer benchmark (BENCH_ARGS='--n 20000' for a quick run)"
 	@echo "make chaos   a bounded fault run audited by the reconciliation (CHAOS_ARGS='--mode exactly-once')"
 
 $(INSTALLED): pyproject.toml
@@ -51,6 +52,9 @@ bench-relay: setup
 
 bench-reconcile: setup
 	$(BIN)/python -m bench.reconcile $(BENCH_ARGS)
+
+bench-consume: setup
+	$(BIN)/python -m bench.consume $(BENCH_ARGS)
 
 chaos: setup
 	$(BIN)/outbox chaos $(CHAOS_ARGS)

@@ -277,10 +277,9 @@ class SyncApplier:
         handler = self.inbox.handlers[item.record.topic]
         started = time.perf_counter()
         handler(item.message, session)
-        session.flush()  # the handler's ORM writes fail here, on their own record
-        self.metrics.handler_seconds.labels(item.record.topic).observe(
-            time.perf_counter() - started
-        )
+        if session.new or session.dirty or session.deleted:
+            session.flush()  # the handler's ORM writes fail here, on their own record
+        self.metrics.observe_handler(item.record.topic, time.perf_counter() - started)
 
     def _park(
         self, session: Session, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int
@@ -424,9 +423,7 @@ class AsyncApplier:
         started = time.perf_counter()
         await handler(item.message, session)
         await session.flush()
-        self.metrics.handler_seconds.labels(item.record.topic).observe(
-            time.perf_counter() - started
-        )
+        self.metrics.observe_handler(item.record.topic, time.perf_counter() - started)
 
     async def _park(
         self, session: Any, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int

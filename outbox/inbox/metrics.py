@@ -58,9 +58,18 @@ class InboxMetrics:
             ["topic", "partition"],
             registry=r,
         )
+        self._handler_seconds: dict[str, Any] = {}
         self.assigned = Gauge(
             "outbox_inbox_assigned_partitions", "Partitions this consumer owns", registry=r
         )
+
+
+    def observe_handler(self, topic: str, seconds: float) -> None:
+        """One handler call (the labelled child is looked up once per topic: a hot path)."""
+        child = self._handler_seconds.get(topic)
+        if child is None:
+            child = self._handler_seconds[topic] = self.handler_seconds.labels(topic)
+        child.observe(seconds)
 
 
 class InboxHealth:

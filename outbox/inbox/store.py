@@ -36,6 +36,18 @@ class InboxStore:
         self.spec = spec
         self.inbox = spec.inbox
         self.parked = spec.parked
+        # One statement text whatever the batch size (arrays, not a VALUES list), so that
+        # neither SQLAlchemy nor PostgreSQL plans it again for every batch.
+        self._claim = sa.text(
+            f'INSERT INTO "{spec.schema}"."{spec.table}"'
+            " (consumer_group, message_id, topic, kafka_partition, kafka_offset)"
+            " SELECT :group, u.message_id, u.topic, u.kafka_partition, u.kafka_offset"
+            " FROM unnest(CAST(:ids AS text[]), CAST(:topics AS text[]),"
+            " CAST(:partitions AS integer[]), CAST(:offsets AS bigint[]))"
+            " AS u(message_id, topic, kafka_partition, kafka_offset)"
+            " ORDER BY u.message_id"
+            " ON CONFLICT DO NOTHING RETURNING message_id"
+        )
 
     # -- applying -----------------------------------------------------------------------------
 
@@ -48,19 +60,15 @@ class InboxStore:
         """
         if not claims:
             return set()
-        unique = {c.message_id: c for c in claims}
-        rows = [
-            {
-                "consumer_group": group,
-                "message_id": c.message_id,
-                "topic": c.topic,
-                "kafka_partition": c.partition,
-                "kafka_offset": c.offset,
-            }
-            for _, c in sorted(unique.items())
-        ]
-        statement = insert(self.inbox).on_conflict_do_nothing().returning(self.inbox.c.message_id)
-        return set(conn.execute(statement.values(rows)).scalars().all())
+        unique = sorted({c.message_id: c for c in claims}.items())
+        params = {
+            "group": group,
+            "ids": [message_id for message_id, _ in unique],
+            "topics": [c.topic for _, c in unique],
+            "partitions": [c.partition for _, c in unique],
+            "offsets": [c.offset for _, c in unique],
+        }
+        return set(conn.execute(self._claim, params).scalars().all())
 
     def claim_one(self, conn: Any, group: str, claim: Claim) -> bool:
         """Insert one inbox row; False when the message was applied before."""
