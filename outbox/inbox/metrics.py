@@ -63,7 +63,6 @@ class InboxMetrics:
             "outbox_inbox_assigned_partitions", "Partitions this consumer owns", registry=r
         )
 
-
     def observe_handler(self, topic: str, seconds: float) -> None:
         """One handler call (the labelled child is looked up once per topic: a hot path)."""
         child = self._handler_seconds.get(topic)

@@ -22,6 +22,7 @@ primary key makes one transaction wait for the other and then skip.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -287,11 +288,9 @@ class InboxRunner:
             self._failures.pop(tp, None)
             self._waiting.pop(tp, None)
             self._assigned.discard(tp)
-            self.metrics.lag.remove(tp[0], str(tp[1])) if self._has_lag(tp) else None
+            with contextlib.suppress(KeyError):  # no lag reported for it yet
+                self.metrics.lag.remove(tp[0], str(tp[1]))
         self.metrics.assigned.set(len(self._assigned))
-
-    def _has_lag(self, tp: TP) -> bool:
-        return (tp[0], str(tp[1])) in self.metrics.lag._metrics
 
     # -- housekeeping -------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ whatever Kafka delivers twice, and failures retry in order, then park."""
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -186,3 +187,49 @@ def test_async_handlers_get_an_async_session(
         wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 100, 60, "dups")
     assert_exactly_once(inbox_engine, range(100))
     assert_partition_order(inbox_engine)
+
+
+def test_purge_deletes_only_rows_older_than_asked(inbox_engine: sa.Engine, outbox_url: str) -> None:
+    with inbox_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO inbox (consumer_group, message_id, topic, kafka_partition,"
+                " kafka_offset, processed_at) SELECT 'g', 'm' || n, 't', 0, n,"
+                " now() - make_interval(days => n) FROM generate_series(0, 29) AS n"
+            )
+        )
+    cli = CliRunner()
+    args = ["inbox", "purge", "--older-than", "14d", "--database-url", outbox_url]
+    dry = cli.invoke(main, [*args, "--dry-run"])
+    assert "would delete 15 inbox row(s)" in dry.output, dry.output
+    done = cli.invoke(main, [*args, "--batch-size", "4"])
+    assert "deleted 15 inbox row(s)" in done.output, done.output
+    with inbox_engine.connect() as conn:
+        ages = conn.execute(sa.text("SELECT max(kafka_offset) FROM inbox")).scalar_one()
+    assert ages == 14
+
+
+def test_consume_refuses_bad_targets_and_missing_tables_in_one_line(
+    outbox_url: str, bootstrap_servers: str
+) -> None:
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        refusals(outbox_url, bootstrap_servers)
+    finally:  # `outbox consume` installs its own; give pytest its handlers back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def refusals(outbox_url: str, bootstrap_servers: str) -> None:
+    cli = CliRunner()
+    base = ["--database-url", outbox_url, "--bootstrap-servers", bootstrap_servers]
+    wrong = cli.invoke(main, ["consume", "tests.inbox_app", *base])
+    assert wrong.exit_code == 1 and "is not module:attribute" in wrong.output
+    missing = cli.invoke(main, ["consume", "no_such_module_here:inbox", *base])
+    assert missing.exit_code == 1 and "cannot import no_such_module_here" in missing.output
+    managed = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base, "-X", "group.id=x"])
+    assert managed.exit_code == 1 and "consumer group comes from the Inbox" in managed.output
+    # The inbox tables were never installed in this database.
+    no_tables = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base])
+    assert no_tables.exit_code == 1, no_tables.output
+    assert "run `outbox inbox install`" in no_tables.output
