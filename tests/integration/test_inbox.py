@@ -195,7 +195,8 @@ def test_purge_deletes_only_rows_older_than_asked(inbox_engine: sa.Engine, outbo
             sa.text(
                 "INSERT INTO inbox (consumer_group, message_id, topic, kafka_partition,"
                 " kafka_offset, processed_at) SELECT 'g', 'm' || n, 't', 0, n,"
-                " now() - make_interval(days => n) FROM generate_series(0, 29) AS n"
+                " now() - make_interval(days => n) + interval '1 hour'"
+                " FROM generate_series(0, 29) AS n"
             )
         )
     cli = CliRunner()
