@@ -77,7 +77,8 @@ class InboxRunner:
         self.inbox = inbox
         self.config = config
         self.metrics = metrics or InboxMetrics()
-        self.health = InboxHealth()
+        # Alive while the loop turns; a wait for the database turns it once per backoff.
+        self.health = InboxHealth(stale_after=max(60.0, 2 * config.backoff_max))
         self.store = InboxStore(config.spec)
         self.metrics_address: tuple[str, int] | None = None
         self._stop = threading.Event()
@@ -330,6 +331,7 @@ class InboxRunner:
                 with engine.connect() as conn:
                     problem = self.store.check(conn)
             except (sa.exc.DBAPIError, OSError) as exc:
+                self.health.tick()
                 attempt += 1
                 log.warning(
                     "database unavailable at start", extra={"error": str(exc).splitlines()[0]}
