@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 .PHONY: help setup demo test lint typecheck pytest up down status clean bench-write bench-relay \
-	bench-reconcile bench-table-health chaos
+	bench-reconcile bench-table-health bench-consume chaos
 
 help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
@@ -17,6 +17,7 @@ help:
 	@echo "make bench-relay   relay benchmark (BENCH_ARGS='--n 100000' for a quick run)"
 	@echo "make bench-reconcile   reconciliation benchmark (BENCH_ARGS='--sizes 100000,300000')"
 	@echo "make bench-table-health   outbox table and index sizes under steady load (BENCH_ARGS='--messages 300000')"
+	@echo "make bench-consume   inbox consumer benchmark (BENCH_ARGS='--n 20000' for a quick run)"
 	@echo "make chaos   a bounded fault run audited by the reconciliation (CHAOS_ARGS='--mode exactly-once')"
 
 $(INSTALLED): pyproject.toml
@@ -55,6 +56,9 @@ bench-reconcile: setup
 
 bench-table-health: setup
 	$(BIN)/python -m bench.table_health $(BENCH_ARGS)
+
+bench-consume: setup
+	$(BIN)/python -m bench.consume $(BENCH_ARGS)
 
 chaos: setup
 	$(BIN)/outbox chaos $(CHAOS_ARGS)

@@ -10,7 +10,13 @@
    read over JDBC, against the topic, read with Spark's Kafka source (read_committed). A clean
    run shows zero discrepancies of every class: nothing missing, duplicated, invented (a
    rolled-back transaction's message would be a phantom), altered, misrouted or late.
-6. Stops the servers it started; the exit status is the reconciliation's.
+6. Runs a consuming service, billing, on a database of its own: `outbox consume
+   examples.billing:inbox` turns each OrderPlaced message into a ledger entry through the
+   inbox. It then reads the whole topic a second time (its group's offsets deleted, as if
+   they were lost), and every message is skipped as already applied: the ledger matches the
+   orders, entry for entry and cent for cent.
+7. Stops the servers it started; the exit status is the reconciliation's, or 1 if the
+   ledger does not match the orders.
 """
 
 from __future__ import annotations
@@ -21,17 +27,27 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, migrate
 from outbox.devstack import LocalStack
 from outbox.devstack.topics import create_topics
+from outbox.inbox import install as install_inbox
 
 TOPIC = "orders"
+ROOT = Path(__file__).resolve().parents[1]
+#: The billing service's table (its handler is examples/billing.py).
+LEDGER_DDL = (
+    "CREATE TABLE IF NOT EXISTS ledger (order_id bigint NOT NULL, customer text NOT NULL,"
+    " amount_cents int NOT NULL, billed_at timestamptz NOT NULL DEFAULT now())"
+)
 
 
 class BusinessFailure(Exception):
@@ -51,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  database   {sa.make_url(info.database_url).render_as_string(hide_password=True)}")
     print(f"  kafka      {info.bootstrap_servers}   ({time.monotonic() - started:.1f}s)")
     try:
-        return run(info.database_url, info.bootstrap_servers, args.orders)
+        stack.postgres.drop_database("billing")
+        billing_url = stack.postgres.create_database("billing")
+        code = run(info.database_url, info.bootstrap_servers, args.orders)
+        matches = consume(info.database_url, billing_url, info.bootstrap_servers)
+        return code or (0 if matches else 1)
     finally:
         if not args.keep:
             stack.down()
@@ -114,7 +134,12 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
                 )
                 message_id = tx.publish(
                     TOPIC,
-                    {"type": "OrderPlaced", "order_id": order_id, "customer": customer},
+                    {
+                        "type": "OrderPlaced",
+                        "order_id": order_id,
+                        "customer": customer,
+                        "total_cents": 1000 + order_id,
+                    },
                     key=customer,
                 ).message_id
                 if order_id % 10 == 0:
@@ -144,6 +169,96 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
     print()
     print("reconciliation (Spark: the outbox over JDBC against the topic, read_committed)")
     return reconcile(database_url, bootstrap_servers, window_start)
+
+
+def run_consumer(billing_url: str, bootstrap_servers: str, until: Callable[[str], bool]) -> str:
+    """`outbox consume examples.billing:inbox` until ``until(its metrics)``; SIGTERM it."""
+    from outbox.devstack.procs import free_port
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": billing_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+        "OUTBOX_LOG_LEVEL": "WARNING",
+    }
+    command = [sys.executable, "-m", "outbox.cli", "consume", "examples.billing:inbox"]
+    consumer = subprocess.Popen([*command, "--metrics-port", str(port)], env=env, cwd=ROOT)
+    metrics = ""
+    try:
+        deadline = time.monotonic() + 120
+        while not until(metrics):
+            if consumer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the consumer stopped early or did not finish")
+            time.sleep(0.2)
+            try:
+                url = f"http://127.0.0.1:{port}/metrics"
+                metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:
+                pass  # not listening yet
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        code = consumer.wait(60)
+    if code != 0:
+        raise RuntimeError(f"the consumer exited with {code}")
+    return metrics
+
+
+def counter(metrics: str, name: str) -> int:
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith(name + "{")
+        )
+    )
+
+
+def consume(database_url: str, billing_url: str, bootstrap_servers: str) -> bool:
+    """Billing applies every order once, twice over; True when the ledger matches."""
+    install_inbox(billing_url)
+    billing = sa.create_engine(billing_url)
+    with billing.begin() as conn:
+        conn.execute(sa.text(LEDGER_DDL))
+    shop = sa.create_engine(database_url)
+    with shop.connect() as conn:
+        orders, cents = conn.execute(sa.text("SELECT count(*), sum(total_cents) FROM orders")).one()
+    shop.dispose()
+
+    print()
+    print("consuming (billing: `outbox consume examples.billing:inbox`, its own database)")
+    first = run_consumer(
+        billing_url,
+        bootstrap_servers,
+        lambda m: counter(m, "outbox_inbox_processed_total") >= orders,
+    )
+    # As if the group's offsets were lost: the next consumer reads the topic from the start.
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    for future in admin.delete_consumer_groups(["billing"], request_timeout=30).values():
+        future.result(30)
+    second = run_consumer(
+        billing_url,
+        bootstrap_servers,
+        lambda m: counter(m, "outbox_inbox_duplicates_total") >= orders,
+    )
+    with billing.connect() as conn:
+        entries, billed_cents, distinct = conn.execute(
+            sa.text("SELECT count(*), sum(amount_cents), count(DISTINCT order_id) FROM ledger")
+        ).one()
+    billing.dispose()
+    matches = entries == distinct == orders and billed_cents == cents
+    print(
+        f"  first run              applied {counter(first, 'outbox_inbox_processed_total')}, "
+        f"skipped {counter(first, 'outbox_inbox_duplicates_total')} duplicates"
+    )
+    print(
+        f"  topic read again       applied {counter(second, 'outbox_inbox_processed_total')}, "
+        f"skipped {counter(second, 'outbox_inbox_duplicates_total')} duplicates"
+    )
+    print(f"  orders                 {orders} rows, {cents} cents")
+    print(f"  ledger                 {entries} entries for {distinct} orders, {billed_cents} cents")
+    print(f"  ledger matches orders  {'yes' if matches else 'NO'}")
+    return matches
 
 
 def reconcile(database_url: str, bootstrap_servers: str, start: datetime) -> int:

@@ -46,6 +46,16 @@ LAZY_COMMANDS = {
         "reconcile",
         "Audit the outbox against what landed on the topics; exit 1 when over the limits.",
     ),
+    "consume": LazyCommand(
+        "outbox.inbox.cli",
+        "consume",
+        "Apply the records of MODULE:INBOX's topics through the inbox until stopped.",
+    ),
+    "inbox": LazyCommand(
+        "outbox.inbox.cli",
+        "inbox",
+        "The inbox tables: install, purge old rows, deal with parked messages.",
+    ),
     "dev": LazyCommand(
         "outbox.devstack.cli",
         "dev",

@@ -155,3 +155,41 @@ def test_cli_refuses_to_upgrade_a_table_no_history_records(database_url: str) ->
     code, output = db("current", "--database-url", database_url)
     assert code == 0
     assert "no Alembic version table records its revision" in output
+
+
+def test_the_inbox_history_is_a_branch_of_its_own_installed_on_demand(database_url: str) -> None:
+    from outbox.inbox import InboxTableSpec
+    from outbox.inbox import migrate as inbox_migrate
+
+    script = ScriptDirectory.from_config(inbox_migrate.alembic_config(database_url))
+    [head] = script.get_heads()
+    assert head == "inbox_0001" and script.get_revision(head).branch_labels == {"inbox"}
+    migrate.upgrade(database_url)
+    assert "inbox" not in table_names(database_url, "public")  # opt-in: not with the outbox
+    spec = InboxTableSpec("consumer", "received")
+    inbox_migrate.install(database_url, spec)
+    assert {"received", "received_parked", "received_alembic_version"} <= table_names(
+        database_url, "consumer"
+    )
+    assert inbox_migrate.revision_of(database_url, spec) == "inbox_0001"
+    migrate.upgrade(database_url)  # the outbox's own history is untouched by the inbox's
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn,
+                opts={
+                    "include_schemas": True,
+                    "include_object": lambda obj, name, type_, *_: (
+                        type_ != "table" or name in ("received", "received_parked")
+                    ),
+                },
+            )
+            spec.inbox  # noqa: B018 - declare both tables on the spec's metadata
+            spec.parked  # noqa: B018
+            assert compare_metadata(context, spec.metadata) == []
+    finally:
+        engine.dispose()
+    inbox_migrate.uninstall(database_url, spec)
+    assert "received" not in table_names(database_url, "consumer")
+    assert "outbox" in table_names(database_url, "public")

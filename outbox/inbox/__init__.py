@@ -1,0 +1,52 @@
+"""The inbox: exactly-once effects in consuming services.
+
+A consuming service declares handlers on an :class:`Inbox`; the runner (``outbox consume
+myapp.handlers:inbox``, or :class:`InboxRunner` embedded) reads the topics and applies each
+record in the service's own database transaction together with an inbox row keyed by the
+consumer group and the message id (the relay's ``outbox-id`` header). A record delivered
+again finds its row and is skipped, so its effects happen once. See docs/inbox.md.
+
+::
+
+    from outbox.inbox import Inbox, InboxMessage
+
+    inbox = Inbox(group="billing")
+
+    @inbox.handler("orders")
+    def on_order(message: InboxMessage, session: Session) -> None:
+        session.execute(insert(ledger).values(order_id=message.value["order_id"]))
+"""
+
+from __future__ import annotations
+
+from outbox.inbox.api import BY_OFFSET, PARK, Inbox, InboxMessage, RawRecord, load_inbox
+from outbox.inbox.config import ConsumerConfig
+from outbox.inbox.decoding import (
+    BytesDeserializer,
+    Deserializer,
+    JsonDeserializer,
+    UndecodableValue,
+)
+from outbox.inbox.migrate import declare_inbox, install
+from outbox.inbox.runner import InboxRunner
+from outbox.inbox.schema import InboxTableSpec
+from outbox.inbox.store import InboxStore
+
+__all__ = [
+    "BY_OFFSET",
+    "PARK",
+    "BytesDeserializer",
+    "ConsumerConfig",
+    "Deserializer",
+    "Inbox",
+    "InboxMessage",
+    "InboxRunner",
+    "InboxStore",
+    "InboxTableSpec",
+    "JsonDeserializer",
+    "RawRecord",
+    "UndecodableValue",
+    "declare_inbox",
+    "install",
+    "load_inbox",
+]

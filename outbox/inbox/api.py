@@ -1,0 +1,220 @@
+"""The consuming application's side: an :class:`Inbox` with handlers declared per topic.
+
+::
+
+    inbox = Inbox(group="billing")
+
+    @inbox.handler("orders")
+    def on_order(message: InboxMessage, session: Session) -> None:
+        session.add(LedgerEntry(order_id=message.value["order_id"], ...))
+        outbox.publish(session, "invoices", {...})  # commits with the effects, or not at all
+
+The runner (``outbox consume module:inbox``) hands each handler a session inside an open
+transaction; the inbox row that marks the message as applied is written in that same
+transaction, so the effects happen once however often Kafka delivers the record.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from outbox.errors import ConfigError
+from outbox.inbox.decoding import Deserializer, JsonDeserializer
+from outbox.message import ID_HEADER
+from outbox.validation import validate_topic
+
+
+@dataclass(frozen=True)
+class InboxMessage:
+    """One Kafka record as a handler sees it."""
+
+    #: The message identity the inbox deduplicates on: the ``outbox-id`` header's UUID in
+    #: text form, or the fallback identity (see :class:`Inbox`).
+    id: str
+    topic: str
+    key: bytes | None
+    #: The value as the inbox's deserializer decoded it.
+    value: Any
+    headers: tuple[tuple[str, bytes | None], ...]
+    partition: int
+    offset: int
+    #: The undecoded value.
+    raw_value: bytes | None = None
+
+    def header(self, name: str) -> bytes | None:
+        """The last value of header ``name``, or None."""
+        found = None
+        for key, value in self.headers:
+            if key == name:
+                found = value
+        return found
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """What an identity function gets: the record before decoding."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+
+
+IdentityFn: TypeAlias = Callable[[RawRecord], "str | None"]
+SyncHandler: TypeAlias = Callable[[InboxMessage, Any], None]
+AsyncHandler: TypeAlias = Callable[[InboxMessage, Any], Awaitable[None]]
+
+#: Records without the id header are parked (the default): nothing is applied unchecked.
+PARK = "park"
+#: Records without the id header are identified by ``topic/partition/offset``: replays of
+#: the *same* record are caught, a second copy produced at another offset is not.
+BY_OFFSET = "offset"
+
+
+class MissingIdentity(Exception):
+    """A record has no message identity and the inbox is told to park such records."""
+
+
+class Inbox:
+    """Handlers per topic for one consumer group, and how records are identified and decoded.
+
+    ``group``: the Kafka consumer group, also the first half of the inbox table's key (two
+    groups reading the same topic apply each message once each).
+    ``deserializer``: turns values into Python objects (default: JSON, text, bytes by the
+    ``content-type`` header). ``id_header``: the header carrying the message id
+    (``outbox-id``, set by the relay). ``missing_id``: what to do with records that lack it:
+    ``"park"`` (default), ``"offset"`` (identity ``topic/partition/offset``), or a function
+    ``RawRecord -> str | None`` (e.g. a business key; None parks the record).
+    """
+
+    def __init__(
+        self,
+        group: str,
+        *,
+        deserializer: Deserializer | None = None,
+        id_header: str = ID_HEADER,
+        missing_id: str | IdentityFn = PARK,
+    ) -> None:
+        if not isinstance(group, str) or not group.strip():
+            raise ConfigError("inbox group must be a non-empty str (the Kafka consumer group)")
+        if deserializer is not None and not callable(getattr(deserializer, "deserialize", None)):
+            raise ConfigError("deserializer must have a deserialize(value, content_type) method")
+        if not isinstance(id_header, str) or not id_header:
+            raise ConfigError("id_header must be a non-empty str")
+        if not (missing_id in (PARK, BY_OFFSET) or callable(missing_id)):
+            raise ConfigError(
+                f"missing_id must be {PARK!r}, {BY_OFFSET!r} or a function, got {missing_id!r}"
+            )
+        self.group = group
+        self.deserializer: Deserializer = deserializer or JsonDeserializer()
+        self.id_header = id_header
+        self.missing_id = missing_id
+        self._handlers: dict[str, Callable[..., Any]] = {}
+
+    def handler(self, *topics: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: ``fn(message, session)`` handles records of ``topics``.
+
+        Every handler of one inbox is either a plain function (it gets a ``Session``) or a
+        coroutine function (it gets an ``AsyncSession``).
+        """
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.add_handler(fn, *topics)
+            return fn
+
+        return register
+
+    def add_handler(self, fn: Callable[..., Any], *topics: str) -> None:
+        """Register ``fn`` for ``topics`` (what :meth:`handler` does)."""
+        if not callable(fn):
+            raise ConfigError(f"handler must be callable, got {type(fn).__name__}")
+        if not topics:
+            raise ConfigError("name at least one topic for the handler")
+        if self._handlers and self.is_async != inspect.iscoroutinefunction(fn):
+            raise ConfigError(
+                "an inbox's handlers must be all sync or all async (one session kind per "
+                "transaction); use two inboxes with two consumer groups to mix them"
+            )
+        for topic in topics:
+            validate_topic(topic)
+            if topic in self._handlers:
+                raise ConfigError(f"topic {topic!r} already has a handler")
+        for topic in topics:
+            self._handlers[topic] = fn
+
+    @property
+    def topics(self) -> list[str]:
+        return list(self._handlers)
+
+    @property
+    def handlers(self) -> Mapping[str, Callable[..., Any]]:
+        return dict(self._handlers)
+
+    @property
+    def is_async(self) -> bool:
+        return any(inspect.iscoroutinefunction(fn) for fn in self._handlers.values())
+
+    def identify(self, record: RawRecord) -> str:
+        """The record's message identity; raises :class:`MissingIdentity` when it has none."""
+        raw = None
+        for name, value in record.headers:
+            if name == self.id_header:
+                raw = value
+        if raw is not None:
+            text = raw.decode("ascii", errors="replace").strip()
+            try:
+                return str(uuid.UUID(text)) if self.id_header == ID_HEADER else text
+            except ValueError:
+                raise MissingIdentity(f"header {self.id_header} is not a UUID: {text!r}") from None
+        if self.missing_id == BY_OFFSET:
+            return f"{record.topic}/{record.partition}/{record.offset}"
+        if callable(self.missing_id):
+            identity = self.missing_id(record)
+            if identity:
+                return str(identity)
+            raise MissingIdentity("the identity function returned nothing")
+        raise MissingIdentity(f"record has no {self.id_header} header")
+
+    def decode(self, record: RawRecord, identity: str) -> InboxMessage:
+        """The message a handler gets; raises for a value the deserializer cannot read."""
+        content_type = None
+        for name, value in record.headers:
+            if name == "content-type" and value is not None:
+                content_type = value.decode("ascii", errors="replace")
+        return InboxMessage(
+            id=identity,
+            topic=record.topic,
+            key=record.key,
+            value=self.deserializer.deserialize(record.value, content_type),
+            headers=record.headers,
+            partition=record.partition,
+            offset=record.offset,
+            raw_value=record.value,
+        )
+
+
+def load_inbox(target: str) -> Inbox:
+    """``"package.module:name"`` -> the :class:`Inbox` object it names."""
+    import importlib
+
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigError(f"{target!r} is not module:attribute (e.g. myapp.handlers:inbox)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name}: {exc}") from exc
+    found: Any = module
+    for part in attribute.split("."):
+        found = getattr(found, part, None)
+    if not isinstance(found, Inbox):
+        raise ConfigError(f"{target} is not an outbox.inbox.Inbox (got {type(found).__name__})")
+    if not found.topics:
+        raise ConfigError(f"{target} has no handlers")
+    return found

@@ -1,0 +1,396 @@
+"""``outbox consume`` (the runner) and ``outbox inbox ...`` (tables, retention, parked
+messages), registered on the ``outbox`` command line by ``outbox.cli``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import click
+
+from outbox.cli_options import (
+    DATABASE_URL,
+    bootstrap_servers_option,
+    kafka_settings_option,
+    parse_key_values,
+    run_db_step,
+)
+from outbox.errors import OutboxError
+from outbox.redaction import mask_secrets
+
+T = TypeVar("T")
+
+INBOX_SCHEMA = click.option(
+    "--inbox-schema",
+    envvar="OUTBOX_INBOX_SCHEMA",
+    show_envvar=True,
+    default="public",
+    show_default=True,
+    help="Schema of the inbox tables",
+)
+INBOX_TABLE = click.option(
+    "--inbox-table",
+    envvar="OUTBOX_INBOX_TABLE",
+    show_envvar=True,
+    default="inbox",
+    show_default=True,
+    help="Name of the inbox table (parked messages: <name>_parked)",
+)
+
+
+def _spec(schema: str, table: str) -> Any:
+    from outbox.inbox.schema import InboxTableSpec
+
+    try:
+        return InboxTableSpec(schema=schema, table=table)
+    except OutboxError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@click.command()
+@click.argument("target", metavar="MODULE:INBOX")
+@DATABASE_URL
+@INBOX_SCHEMA
+@INBOX_TABLE
+@bootstrap_servers_option(required=True)
+@kafka_settings_option(
+    "A Kafka consumer setting, e.g. -X security.protocol=SASL_SSL (repeatable). "
+    "OUTBOX_KAFKA_<NAME> variables work too: OUTBOX_KAFKA_SASL_PASSWORD -> sasl.password."
+)
+@click.option(
+    "--batch-size",
+    default=500,
+    show_default=True,
+    envvar="OUTBOX_CONSUME_BATCH_SIZE",
+    show_envvar=True,
+    help="Records per database transaction.",
+)
+@click.option(
+    "--max-wait",
+    default=0.1,
+    show_default=True,
+    envvar="OUTBOX_CONSUME_MAX_WAIT",
+    show_envvar=True,
+    help="Seconds to wait for a batch to fill before applying what came.",
+)
+@click.option(
+    "--max-attempts",
+    default=5,
+    show_default=True,
+    envvar="OUTBOX_CONSUME_MAX_ATTEMPTS",
+    show_envvar=True,
+    help="Handler attempts before a message is parked.",
+)
+@click.option(
+    "--backoff-base", default=0.5, show_default=True, envvar="OUTBOX_CONSUME_BACKOFF_BASE"
+)
+@click.option("--backoff-max", default=60.0, show_default=True, envvar="OUTBOX_CONSUME_BACKOFF_MAX")
+@click.option(
+    "--retention",
+    default=None,
+    envvar="OUTBOX_INBOX_RETENTION",
+    show_envvar=True,
+    help="Purge inbox rows older than this (14d, 2w, ...) every hour; see docs/inbox.md.",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    envvar="OUTBOX_CONSUME_METRICS_PORT",
+    show_envvar=True,
+    help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="OUTBOX_CONSUME_METRICS_HOST",
+    show_envvar=True,
+)
+@click.option(
+    "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
+)
+def consume(
+    target: str,
+    database_url: str,
+    inbox_schema: str,
+    inbox_table: str,
+    bootstrap_servers: str,
+    kafka_settings: tuple[str, ...],
+    batch_size: int,
+    max_wait: float,
+    max_attempts: int,
+    backoff_base: float,
+    backoff_max: float,
+    retention: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    log_level: str,
+) -> None:
+    """Apply the records of MODULE:INBOX's topics through the inbox until stopped.
+
+    MODULE:INBOX names an outbox.inbox.Inbox, e.g. myapp.handlers:inbox. SIGTERM finishes
+    the batch in hand, commits its offsets and leaves the group.
+    """
+    import signal
+    import threading
+
+    stop_early = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_early.set())
+
+    from outbox.durations import parse_duration
+    from outbox.inbox.api import load_inbox
+    from outbox.inbox.config import ConsumerConfig, kafka_config_from_env
+    from outbox.inbox.runner import InboxRunner
+
+    _configure_logging(log_level)
+    kafka = {
+        **kafka_config_from_env(),
+        **parse_key_values(kafka_settings),
+        "bootstrap.servers": bootstrap_servers,
+    }
+    try:
+        age = parse_duration(retention) if retention else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--retention") from exc
+    if "." not in sys.path and "" not in sys.path:
+        sys.path.insert(0, "")  # MODULE is looked up from the working directory too
+    try:
+        inbox = load_inbox(target)
+        config = ConsumerConfig(
+            database_url=database_url,
+            kafka=kafka,
+            spec=_spec(inbox_schema, inbox_table),
+            batch_size=batch_size,
+            max_wait=max_wait,
+            max_attempts=max_attempts,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+            retention=age,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+        )
+        runner = InboxRunner(inbox, config)
+    except (OutboxError, ValueError) as exc:
+        raise click.ClickException(mask_secrets(str(exc))) from exc
+    runner.install_signal_handlers()
+    if stop_early.is_set():
+        runner.stop()
+    logging.getLogger("outbox.inbox").info(
+        "inbox consumer starting", extra={"group": inbox.group, "topics": inbox.topics}
+    )
+    try:
+        code = runner.run()
+    except OutboxError as exc:
+        raise click.ClickException(mask_secrets(str(exc))) from exc
+    sys.exit(code)
+
+
+def _configure_logging(level: str) -> None:
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class _Formatter(logging.Formatter):
+    """A plain line, then the record's ``extra=`` fields as key=value (secrets masked)."""
+
+    _standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        extras = " ".join(
+            f"{key}={value!r}"
+            for key, value in record.__dict__.items()
+            if key not in self._standard and not key.startswith("_")
+        )
+        line = super().format(record) + (f" {extras}" if extras else "")
+        return mask_secrets(line)
+
+
+@click.group()
+def inbox() -> None:
+    """The inbox tables: install, purge old rows, deal with parked messages."""
+
+
+@inbox.command("install")
+@DATABASE_URL
+@INBOX_SCHEMA
+@INBOX_TABLE
+@click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
+def install(database_url: str, inbox_schema: str, inbox_table: str, sql: bool) -> None:
+    """Create the inbox tables or bring them up to date (the inbox's Alembic branch)."""
+    from outbox.inbox import migrate
+
+    spec = _spec(inbox_schema, inbox_table)
+    run_db_step(lambda: migrate.install(database_url, spec, sql=sql))
+
+
+@inbox.command("uninstall")
+@DATABASE_URL
+@INBOX_SCHEMA
+@INBOX_TABLE
+@click.option("--yes", is_flag=True, required=True, help="Confirm: applied ids are lost.")
+def uninstall(database_url: str, inbox_schema: str, inbox_table: str, yes: bool) -> None:
+    """Drop the inbox tables: every record of applied and parked messages goes."""
+    from outbox.inbox import migrate
+
+    spec = _spec(inbox_schema, inbox_table)
+    run_db_step(lambda: migrate.uninstall(database_url, spec))
+
+
+@inbox.command("purge")
+@DATABASE_URL
+@INBOX_SCHEMA
+@INBOX_TABLE
+@click.option(
+    "--older-than", required=True, help="Age of inbox rows to delete: 90s, 15m, 12h, 7d, 1w."
+)
+@click.option("--batch-size", default=5000, show_default=True, type=click.IntRange(min=1))
+@click.option("--dry-run", is_flag=True, help="Count the rows that would go; delete nothing.")
+def purge(
+    database_url: str,
+    inbox_schema: str,
+    inbox_table: str,
+    older_than: str,
+    batch_size: int,
+    dry_run: bool,
+) -> None:
+    """Delete inbox rows older than --older-than (a duplicate arriving later is applied
+    again: keep them longer than Kafka can redeliver, see docs/inbox.md)."""
+    from outbox.durations import parse_duration
+
+    try:
+        age = parse_duration(older_than)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--older-than") from exc
+    with _store(database_url, inbox_schema, inbox_table) as (engine, store):
+        count = run_db_step(
+            lambda: store.purge_processed(engine, age, batch_size=batch_size, dry_run=dry_run)
+        )
+    if dry_run:
+        click.echo(f"would delete {count} inbox row(s) older than {older_than}; dry run")
+    else:
+        click.echo(f"deleted {count} inbox row(s) older than {older_than}")
+
+
+@contextmanager
+def _store(database_url: str, schema: str, table: str) -> Iterator[tuple[Any, Any]]:
+    import sqlalchemy as sa
+
+    from outbox.inbox.store import InboxStore
+
+    store = InboxStore(_spec(schema, table))
+    engine = sa.create_engine(database_url)
+    try:
+        yield engine, store
+    finally:
+        engine.dispose()
+
+
+@inbox.group()
+def parked() -> None:
+    """Inspect, retry and purge messages the consumer parked."""
+
+
+@parked.command("list")
+@DATABASE_URL
+@INBOX_SCHEMA
+@INBOX_TABLE
+@click.option("--group", default=None, help="Only this consumer group's messages.")
+@click.option("--topic", default=None)
+@click.option("--limit", default=50, show_default=True)
+def parked_list(
+    database_url: str,
+    inbox_schema: str,
+    inbox_table: str,
+    group: str | None,
+    topic: str | None,
+    limit: int,
+) -> None:
+    """List parked messages, newest first."""
+
+    def run(engine: Any, store: Any) -> None:
+        with engine.connect() as conn:
+            rows = store.list_parked(conn, group, topic, limit)
+        for row in rows:
+            key = row.key.decode(errors="replace") if row.key is not None else "-"
+            error = (row.error or "").splitlines()[-1:] or [""]
+            click.echo(
+                f"{row.id}  {row.consumer_group}  {row.topic}[{row.kafka_partition}]"
+                f"@{row.kafka_offset}  key={key}  {row.status}  {row.reason}: {error[0][:120]}"
+            )
+        click.echo(f"{len(rows)} parked message(s)")
+
+    with _store(database_url, inbox_schema, inbox_table) as (engine, store):
+        run_db_step(lambda: run(engine, store))
+
+
+@parked.command("show")
+@DATABASE_URL
+@INBOX_SCHEMA
+@INBOX_TABLE
+@click.argument("parked_id", type=int)
+def parked_show(database_url: str, inbox_schema: str, inbox_table: str, parked_id: int) -> None:
+    """Show one parked message, every column."""
+
+    def run(engine: Any, store: Any) -> None:
+        with engine.connect() as conn:
+            row = store.show_parked(conn, parked_id)
+        if row is None:
+            raise OutboxError(f"no parked message {parked_id}")
+        for name, value in row._mapping.items():
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            elif isinstance(value, list):
+                value = [v.decode(errors="replace") if isinstance(v, bytes) else v for v in value]
+            click.echo(f"{name:>16}  {value}")
+
+    with _store(database_url, inbox_schema, inbox_table) as (engine, store):
+        run_db_step(lambda: run(engine, store))
+
+
+def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
+    @DATABASE_URL
+    @INBOX_SCHEMA
+    @INBOX_TABLE
+    @click.option("--group", default=None, help="Only this consumer group's messages.")
+    @click.option("--topic", default=None, help="Only this topic's messages.")
+    @click.option("--all", "everything", is_flag=True, help="Every parked message.")
+    @click.argument("parked_ids", nargs=-1, type=int)
+    def command(
+        database_url: str,
+        inbox_schema: str,
+        inbox_table: str,
+        group: str | None,
+        topic: str | None,
+        everything: bool,
+        parked_ids: tuple[int, ...],
+    ) -> None:
+        if not (parked_ids or group or topic or everything):
+            raise click.UsageError("name parked ids, or pass --group, --topic or --all")
+
+        def run(engine: Any, store: Any) -> int:
+            with engine.begin() as conn:
+                return int(getattr(store, method)(conn, list(parked_ids) or None, group, topic))
+
+        with _store(database_url, inbox_schema, inbox_table) as (engine, store):
+            count = run_db_step(lambda: run(engine, store))
+        click.echo(f"{verb} {count} parked message(s)")
+
+    return command
+
+
+parked.command(
+    "retry",
+    help="Hand parked messages back to their group's running consumer, which applies them "
+    "(or parks them again) within a few seconds.",
+)(_parked_bulk("requeue", "requeued"))
+parked.command("purge", help="Delete parked messages.")(_parked_bulk("purge_parked", "deleted"))

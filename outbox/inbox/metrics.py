@@ -1,0 +1,135 @@
+"""The consumer's Prometheus metrics and its health endpoints (the relay's pattern).
+
+``/metrics`` (Prometheus), ``/healthz`` (the loop turns) and ``/readyz`` (and reaches the
+database and Kafka) on one small HTTP server thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class InboxMetrics:
+    """The consumer's metrics, on a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.processed = Counter(
+            "outbox_inbox_processed", "Messages applied (handler committed)", ["topic"], registry=r
+        )
+        self.duplicates = Counter(
+            "outbox_inbox_duplicates",
+            "Messages skipped because their id was already in the inbox",
+            ["topic"],
+            registry=r,
+        )
+        self.parked = Counter(
+            "outbox_inbox_parked", "Messages parked", ["topic", "reason"], registry=r
+        )
+        self.retried = Counter(
+            "outbox_inbox_handler_failures",
+            "Handler failures (each is retried or, after the last attempt, parked)",
+            ["topic"],
+            registry=r,
+        )
+        self.handler_seconds = Histogram(
+            "outbox_inbox_handler_seconds",
+            "Time spent in handlers, per message",
+            ["topic"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "outbox_inbox_batch_seconds",
+            "Time to apply and commit one batch",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.lag = Gauge(
+            "outbox_inbox_lag",
+            "Records behind the partition's end (high watermark - position)",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self._handler_seconds: dict[str, Any] = {}
+        self.assigned = Gauge(
+            "outbox_inbox_assigned_partitions", "Partitions this consumer owns", registry=r
+        )
+
+    def observe_handler(self, topic: str, seconds: float) -> None:
+        """One handler call (the labelled child is looked up once per topic: a hot path)."""
+        child = self._handler_seconds.get(topic)
+        if child is None:
+            child = self._handler_seconds[topic] = self.handler_seconds.labels(topic)
+        child.observe(seconds)
+
+
+class InboxHealth:
+    """What the health endpoints report; the runner updates it."""
+
+    def __init__(self, stale_after: float = 60.0) -> None:
+        self.stale_after = stale_after
+        self.last_tick = time.monotonic()
+        self.database_ok = False
+        self.kafka_ok = False
+        self.stopping = False
+
+    def tick(self) -> None:
+        self.last_tick = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_tick < self.stale_after
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.database_ok and self.kafka_ok and not self.stopping
+
+    def not_ready_because(self) -> str:
+        reasons = (
+            ("stopping", self.stopping),
+            ("not alive", not self.alive),
+            ("database out of reach", not self.database_ok),
+            ("Kafka out of reach", not self.kafka_ok),
+        )
+        return ", ".join(reason for reason, bad in reasons if bad)
+
+
+def serve(host: str, port: int, metrics: InboxMetrics, health: InboxHealth) -> ThreadingHTTPServer:
+    """Serve /metrics, /healthz and /readyz on a daemon thread; ``shutdown()`` stops it."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+            elif self.path == "/healthz":
+                ok = health.alive
+                self._send(200 if ok else 503, b"ok\n" if ok else b"stalled\n")
+            elif self.path == "/readyz":
+                if health.ready:
+                    self._send(200, b"ready\n")
+                else:
+                    self._send(503, f"not ready: {health.not_ready_because()}\n".encode())
+            else:
+                self._send(404, b"not found\n")
+
+        def _send(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return  # scrapes are not worth a log line each
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="inbox-metrics", daemon=True).start()
+    return server

@@ -1,0 +1,236 @@
+"""The inbox on the real stack: each message's effect (a ledger row) happens exactly once,
+whatever Kafka delivers twice, and failures retry in order, then park."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import Iterator
+
+import orjson
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+
+from outbox.cli import main
+from outbox.inbox import BY_OFFSET
+from tests import inbox_app
+from tests.inbox_helpers import (
+    assert_exactly_once,
+    assert_partition_order,
+    consumer_config,
+    ledger,
+    ledger_count,
+    prepare_database,
+    produce,
+    running_consumer,
+)
+from tests.relay_helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def inbox_engine(outbox_url: str) -> Iterator[sa.Engine]:
+    engine = prepare_database(outbox_url)
+    yield engine
+    engine.dispose()
+
+
+def group() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+def parked_rows(engine: sa.Engine) -> list[sa.Row]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.text("SELECT * FROM inbox_parked ORDER BY id")).all())
+
+
+def test_records_produced_twice_are_applied_once(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-dup", partitions=3)
+    numbers = range(600)
+    ids = produce(bootstrap_servers, topic, numbers)
+    # The same ids again: a relay that resent every message after a crash.
+    produce(bootstrap_servers, topic, range(0, 600, 3), ids=ids)
+    inbox = inbox_app.make_inbox([topic], group())
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+        wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 200, 60, "dups")
+        wait_for(lambda: ledger_count(inbox_engine) >= 600, 60, "all applied")
+    assert_exactly_once(inbox_engine, numbers)
+    assert_partition_order(inbox_engine)
+    assert runner.metrics.processed.labels(topic)._value.get() == 600
+    with inbox_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM inbox")).scalar_one() == 600
+
+
+def test_a_second_group_applies_the_same_messages_again_once(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-groups")
+    produce(bootstrap_servers, topic, range(50), copies=2)
+    for name in (group(), group()):
+        inbox = inbox_app.make_inbox([topic], name)
+        with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+            wait_for(
+                lambda runner=runner: runner.metrics.duplicates.labels(topic)._value.get() == 50,
+                60,
+                "the group's duplicates",
+            )
+    assert ledger_count(inbox_engine) == 100
+
+
+def test_a_failing_handler_is_retried_in_order_then_parked_and_retried_by_an_operator(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-fail")
+    inbox_app.ATTEMPTS.clear()
+    with inbox_engine.begin() as conn:
+        # n=3 fails twice (then succeeds); n=7 fails more often than max_attempts allows.
+        conn.execute(sa.text("INSERT INTO fail_plan VALUES (3, 2), (7, 100)"))
+    extra = {3: {"fail": True}, 7: {"fail": True}}
+    produce(bootstrap_servers, topic, range(20), keys=1, extra=extra)
+    inbox = inbox_app.make_inbox([topic], group())
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=3)
+    with running_consumer(inbox, config) as runner:
+        wait_for(lambda: ledger_count(inbox_engine) == 19, 60, "all but the poison applied")
+        assert [row.n for row in ledger(inbox_engine)] == [n for n in range(20) if n != 7]
+        [row] = parked_rows(inbox_engine)
+        assert (row.reason, row.attempts, row.kafka_offset) == ("handler", 3, 7)
+        assert "planned failure of n=7" in row.error
+        assert runner.metrics.parked.labels(topic, "handler")._value.get() == 1
+
+        cli = CliRunner()
+        listed = cli.invoke(main, ["inbox", "parked", "list", "--database-url", outbox_url])
+        assert listed.exit_code == 0, listed.output
+        assert "1 parked message(s)" in listed.output and "planned failure" in listed.output
+        shown = cli.invoke(
+            main, ["inbox", "parked", "show", str(row.id), "--database-url", outbox_url]
+        )
+        assert '"n":7' in shown.output
+        # Fixed: the plan no longer fails; the operator hands it back to the consumer.
+        with inbox_engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM fail_plan"))
+        retried = cli.invoke(
+            main, ["inbox", "parked", "retry", "--all", "--database-url", outbox_url]
+        )
+        assert "requeued 1 parked message(s)" in retried.output
+        wait_for(lambda: ledger_count(inbox_engine) == 20, 30, "the parked message applied")
+        assert parked_rows(inbox_engine) == []
+    assert inbox_app.ATTEMPTS[3] == 3  # two failures, then success
+    assert inbox_app.ATTEMPTS[7] == 4  # three failures (parked), then the operator's retry
+    assert_exactly_once(inbox_engine, range(20))
+
+
+def test_undecodable_and_unidentified_records_are_parked_at_once(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-bad")
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    good = [("outbox-id", str(uuid.uuid4()).encode()), ("content-type", b"application/json")]
+    producer.produce(topic, b"{not json", key=b"k", headers=[good[0], good[1]])
+    producer.produce(topic, orjson.dumps({"n": 1}), key=b"k")  # no outbox-id header
+    producer.produce(
+        topic,
+        orjson.dumps({"n": 2}),
+        key=b"k",
+        headers=[("outbox-id", str(uuid.uuid4()).encode()), good[1]],
+    )
+    producer.flush(30)
+    inbox = inbox_app.make_inbox([topic], group())
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)):
+        wait_for(lambda: ledger_count(inbox_engine) == 1, 60, "the good record")
+        wait_for(lambda: len(parked_rows(inbox_engine)) == 2, 10, "two parked")
+    reasons = [(row.reason, row.kafka_offset, row.attempts) for row in parked_rows(inbox_engine)]
+    assert reasons == [("undecodable", 0, 0), ("no-identity", 1, 0)]
+
+
+def test_records_without_an_id_can_be_identified_by_their_offset(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-offset")
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    for n in range(10):
+        producer.produce(
+            topic,
+            orjson.dumps({"n": n, "amount": n}),
+            key=b"k",
+            headers=[("content-type", b"application/json")],
+        )
+    producer.flush(30)
+    name = group()
+    inbox = inbox_app.make_inbox([topic], name, missing_id=BY_OFFSET)
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)):
+        wait_for(lambda: ledger_count(inbox_engine) == 10, 60, "all applied")
+    # The group's committed offsets go: every record is read again, and skipped.
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    for future in admin.delete_consumer_groups([name], request_timeout=30).values():
+        future.result(30)
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+        wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 10, 60, "dups")
+    with inbox_engine.connect() as conn:
+        ids = set(conn.execute(sa.text("SELECT message_id FROM inbox")).scalars())
+    assert ids == {f"{topic}/0/{n}" for n in range(10)}
+    assert_exactly_once(inbox_engine, range(10))
+
+
+def test_async_handlers_get_an_async_session(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-async", partitions=2)
+    produce(bootstrap_servers, topic, range(100), copies=2)
+    inbox = inbox_app.make_async_inbox([topic], group())
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+        wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 100, 60, "dups")
+    assert_exactly_once(inbox_engine, range(100))
+    assert_partition_order(inbox_engine)
+
+
+def test_purge_deletes_only_rows_older_than_asked(inbox_engine: sa.Engine, outbox_url: str) -> None:
+    with inbox_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO inbox (consumer_group, message_id, topic, kafka_partition,"
+                " kafka_offset, processed_at) SELECT 'g', 'm' || n, 't', 0, n,"
+                " now() - make_interval(days => n) + interval '1 hour'"
+                " FROM generate_series(0, 29) AS n"
+            )
+        )
+    cli = CliRunner()
+    args = ["inbox", "purge", "--older-than", "14d", "--database-url", outbox_url]
+    dry = cli.invoke(main, [*args, "--dry-run"])
+    assert "would delete 15 inbox row(s)" in dry.output, dry.output
+    done = cli.invoke(main, [*args, "--batch-size", "4"])
+    assert "deleted 15 inbox row(s)" in done.output, done.output
+    with inbox_engine.connect() as conn:
+        ages = conn.execute(sa.text("SELECT max(kafka_offset) FROM inbox")).scalar_one()
+    assert ages == 14
+
+
+def test_consume_refuses_bad_targets_and_missing_tables_in_one_line(
+    outbox_url: str, bootstrap_servers: str
+) -> None:
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        refusals(outbox_url, bootstrap_servers)
+    finally:  # `outbox consume` installs its own; give pytest its handlers back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def refusals(outbox_url: str, bootstrap_servers: str) -> None:
+    cli = CliRunner()
+    base = ["--database-url", outbox_url, "--bootstrap-servers", bootstrap_servers]
+    wrong = cli.invoke(main, ["consume", "tests.inbox_app", *base])
+    assert wrong.exit_code == 1 and "is not module:attribute" in wrong.output
+    missing = cli.invoke(main, ["consume", "no_such_module_here:inbox", *base])
+    assert missing.exit_code == 1 and "cannot import no_such_module_here" in missing.output
+    managed = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base, "-X", "group.id=x"])
+    assert managed.exit_code == 1 and "consumer group comes from the Inbox" in managed.output
+    # The inbox tables were never installed in this database.
+    no_tables = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base])
+    assert no_tables.exit_code == 1, no_tables.output
+    assert "run `outbox inbox install`" in no_tables.output
