@@ -17,7 +17,8 @@ publish call; without an active span it writes no header. A header the caller pa
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -91,3 +92,31 @@ def extract_context(record: Any) -> Context:
         ) from error
     headers = record.headers() if callable(getattr(record, "headers", None)) else record
     return propagate.extract(headers_carrier(headers))
+
+
+@contextmanager
+def consumer_span(
+    topic: str, headers: Iterable[tuple[str, Any]] | None, group: str
+) -> Iterator[None]:
+    """A CONSUMER span around one message's handler, continuing the trace its headers carry
+    (the inbox runs every handler in one). Messages the handler publishes through the outbox
+    carry this span's context on. Nothing without OpenTelemetry loaded."""
+    propagate = _propagator()
+    if propagate is None:
+        yield
+        return
+    from opentelemetry import trace
+
+    tracer = trace.get_tracer("outbox.inbox")
+    with tracer.start_as_current_span(
+        f"process {topic}",
+        context=propagate.extract(headers_carrier(headers)),
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": topic,
+            "messaging.consumer.group.name": group,
+        },
+    ):
+        yield

@@ -33,6 +33,7 @@ from outbox.inbox.api import Inbox, InboxMessage, RawRecord
 from outbox.inbox.metrics import InboxMetrics
 from outbox.inbox.schema import HANDLER_FAILED
 from outbox.inbox.store import Claim, InboxStore
+from outbox.tracing import consumer_span
 
 log = logging.getLogger("outbox.inbox")
 
@@ -276,7 +277,8 @@ class SyncApplier:
         assert item.message is not None
         handler = self.inbox.handlers[item.record.topic]
         started = time.perf_counter()
-        handler(item.message, session)
+        with consumer_span(item.record.topic, item.record.headers, self.inbox.group):
+            handler(item.message, session)
         if session.new or session.dirty or session.deleted:
             session.flush()  # the handler's ORM writes fail here, on their own record
         self.metrics.observe_handler(item.record.topic, time.perf_counter() - started)
@@ -421,7 +423,8 @@ class AsyncApplier:
     async def _call(self, session: Any, item: Item) -> None:
         handler = self.inbox.handlers[item.record.topic]
         started = time.perf_counter()
-        await handler(item.message, session)
+        with consumer_span(item.record.topic, item.record.headers, self.inbox.group):
+            await handler(item.message, session)
         await session.flush()
         self.metrics.observe_handler(item.record.topic, time.perf_counter() - started)
 

@@ -14,7 +14,7 @@ from outbox.message import Message, encode_message
 from outbox.records import OutboxRecord
 from outbox.relay.tracing import batch_span, start_batch_span
 from outbox.serialization import JsonSerializer
-from outbox.tracing import current_trace_headers, extract_context
+from outbox.tracing import consumer_span, current_trace_headers, extract_context
 from tests.tracing_helpers import recorded_spans
 
 tracer = trace.get_tracer("tests")
@@ -88,6 +88,22 @@ def test_a_consumer_continues_the_trace_from_the_headers() -> None:
     assert consume.get_span_context().trace_id == request.get_span_context().trace_id
     finished = {span.name: span for span in spans.get_finished_spans()}
     assert ids(finished["consume"].parent) == ids(request.get_span_context())
+
+
+def test_an_inbox_handler_runs_in_a_span_that_continues_the_trace_and_passes_it_on() -> None:
+    spans = recorded_spans()
+    with tracer.start_as_current_span("request") as request:
+        headers = current_trace_headers()
+    with consumer_span("orders", headers, "billing"):
+        published = dict(current_trace_headers())  # what the handler's own publish would carry
+    (handler,) = [s for s in spans.get_finished_spans() if s.name == "process orders"]
+    assert handler.kind == trace.SpanKind.CONSUMER
+    assert ids(handler.parent) == ids(request.get_span_context())
+    assert handler.attributes is not None
+    assert handler.attributes["messaging.consumer.group.name"] == "billing"
+    trace_id = request.get_span_context().trace_id
+    assert published["traceparent"].split(b"-")[1] == f"{trace_id:032x}".encode()
+    assert published["traceparent"].split(b"-")[2] == f"{handler.context.span_id:016x}".encode()
 
 
 def test_the_batch_span_is_a_root_linked_to_each_message_with_a_context() -> None:
