@@ -71,6 +71,11 @@ class InboxMetrics:
         child.observe(seconds)
 
 
+#: Seconds a blocking call to Kafka (an offset commit) may take before Kafka counts as out
+#: of reach: a synchronous commit waits as long as the group coordinator is down.
+KAFKA_CALL_LIMIT = 5.0
+
+
 class InboxHealth:
     """What the health endpoints report; the runner updates it."""
 
@@ -78,8 +83,20 @@ class InboxHealth:
         self.stale_after = stale_after
         self.last_tick = time.monotonic()
         self.database_ok = False
-        self.kafka_ok = False
+        self._kafka_ok = False
+        #: When the blocking Kafka call in progress began (None: none in progress).
+        self.kafka_call_since: float | None = None
         self.stopping = False
+
+    @property
+    def kafka_ok(self) -> bool:
+        """Kafka answered last time, and no call to it has been blocking for long."""
+        since = self.kafka_call_since
+        return self._kafka_ok and (since is None or time.monotonic() - since < KAFKA_CALL_LIMIT)
+
+    @kafka_ok.setter
+    def kafka_ok(self, value: bool) -> None:
+        self._kafka_ok = value
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()

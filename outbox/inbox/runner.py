@@ -243,6 +243,9 @@ class InboxRunner:
         offsets = {tp: offset for tp, offset in self._pending.items() if only is None or tp in only}
         if not offsets:
             return
+        # A synchronous commit blocks while the group's coordinator is down (the client's
+        # error callbacks wait for it too): the health reports Kafka out of reach meanwhile.
+        self.health.kafka_call_since = time.monotonic()
         try:
             consumer.commit(
                 offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
@@ -256,6 +259,8 @@ class InboxRunner:
             self._commit_failing = True
             self.health.kafka_ok = False
             return
+        finally:
+            self.health.kafka_call_since = None
         self._commit_failing = False
         self.health.kafka_ok = True
         for tp, offset in offsets.items():

@@ -149,3 +149,22 @@ def test_table_names_are_plain_identifiers() -> None:
 def test_kafka_settings_come_from_the_environment_like_the_relays() -> None:
     env = {"OUTBOX_KAFKA_SASL_PASSWORD": "pw", "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "b:9092"}
     assert kafka_config_from_env(env) == {"sasl.password": "pw"}
+
+
+def test_kafka_counts_as_out_of_reach_while_a_commit_blocks_past_the_limit() -> None:
+    """A synchronous offset commit waits as long as the group coordinator is down, and the
+    client's error callbacks wait with it: the health must not keep saying Kafka is fine."""
+    import time
+
+    from outbox.inbox.metrics import KAFKA_CALL_LIMIT, InboxHealth
+
+    health = InboxHealth()
+    health.kafka_ok = True
+    health.database_ok = True
+    health.kafka_call_since = time.monotonic()
+    assert health.kafka_ok and health.ready  # a commit in progress, not for long yet
+    health.kafka_call_since = time.monotonic() - KAFKA_CALL_LIMIT - 0.1
+    assert not health.kafka_ok and not health.ready
+    assert "Kafka out of reach" in health.not_ready_because()
+    health.kafka_call_since = None
+    assert health.kafka_ok
