@@ -155,7 +155,7 @@ class KafkaBroker:
         for _ in range(2):  # a second try on a clean folder, with the first failure kept
             if self.data_dir.exists():
                 shutil.rmtree(self.data_dir)  # storage from an interrupted format
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            cluster_id = new_cluster_id()
             result = subprocess.run(
                 [
                     java,
@@ -206,3 +206,12 @@ class KafkaBroker:
             **self.extra_config,
         }
         return "".join(f"{key}={value}\n" for key, value in settings.items())
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: 16 random bytes, base64url without padding, never starting with
+    '-' (the storage tool would read such an id as an option)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id

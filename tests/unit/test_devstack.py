@@ -94,3 +94,13 @@ def test_stack_info_exports_the_settings_as_environment_variables() -> None:
         "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9",
         "OUTBOX_SPARK_JARS": "/a.jar,/b.jar",
     }
+
+
+def test_kafka_cluster_ids_never_look_like_an_option() -> None:
+    import base64
+
+    from outbox.devstack.kafka import new_cluster_id
+
+    ids = [new_cluster_id() for _ in range(2000)]  # about 31 would start with '-' unguarded
+    assert not any(cluster_id.startswith("-") for cluster_id in ids)
+    assert all(len(base64.urlsafe_b64decode(i + "==")) == 16 for i in ids)
