@@ -92,6 +92,8 @@ from outbox.redaction import mask_secrets
     show_default=True,
     envvar="OUTBOX_RELAY_LEASE_SECONDS",
     show_envvar=True,
+    hidden=True,  # accepted for existing deployments: the relay no longer leases rows
+    help="No longer used: the relay reads its shards' rows without leasing them.",
 )
 @click.option(
     "--metrics-port",

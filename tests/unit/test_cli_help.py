@@ -24,7 +24,6 @@ RELAY_VARIABLES = {
     "OUTBOX_RELAY_BACKOFF_BASE",
     "OUTBOX_RELAY_BACKOFF_MAX",
     "OUTBOX_RELAY_DELIVERY_TIMEOUT_MS",
-    "OUTBOX_RELAY_LEASE_SECONDS",
     "OUTBOX_RELAY_METRICS_PORT",
     "OUTBOX_RELAY_METRICS_HOST",
     "OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX",
@@ -45,6 +44,12 @@ def test_relay_help_shows_every_environment_variable() -> None:
     text = relay_help()
     missing = sorted(name for name in RELAY_VARIABLES if f"env var: {name}" not in text)
     assert not missing
+
+
+def test_the_relay_still_accepts_its_old_lease_option_without_showing_it() -> None:
+    assert "--lease-seconds" not in relay_help()  # the relay leases nothing any more
+    result = CliRunner().invoke(main, ["relay", "--lease-seconds", "60", "--help"])
+    assert result.exit_code == 0, result.output
 
 
 def test_relay_help_shows_every_variable_the_relay_docs_name() -> None:

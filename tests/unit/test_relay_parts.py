@@ -64,7 +64,6 @@ def config(**overrides: object) -> RelayConfig:
         ({"kafka": {"bootstrap.servers": ""}}, "bootstrap"),
         ({"batch_size": 0}, "batch size"),
         ({"poll_interval": 0}, "intervals"),
-        ({"lease_seconds": 30, "delivery_timeout_ms": 60_000}, "lease"),
         ({"kafka": {"transactional.id": "x"}}, "managed by the relay"),
         ({"metrics_port": 70_000}, "port"),
     ],
