@@ -3,8 +3,8 @@
 Writers commit messages at a steady rate while one at-least-once relay sends them; every few
 seconds the run samples the outbox table's size, its pending index's size, dead tuples,
 autovacuum runs and the time of the relay's read statement. Two tables side by side:
-PostgreSQL's default autovacuum settings, and the per-table settings
-(``outbox.schema.PENDING_AUTOVACUUM``) that revision 0004 applies.
+PostgreSQL's default autovacuum settings, and tighter per-table settings
+(``outbox.schema.PENDING_AUTOVACUUM``), to see whether a migration should apply them.
 
 Run: python -m bench.table_health   (--messages 1000000 --rate 10000 by default)
 """

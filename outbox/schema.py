@@ -25,10 +25,9 @@ MAX_TABLE_NAME = 40
 
 PENDING, SENT, DEAD = "pending", "sent", "dead"
 
-#: Per-table autovacuum settings for the outbox table: every message is inserted and then
-#: updated (or deleted) once, so dead tuples and stale pending-index entries come at the
-#: message rate; vacuuming after 1% of the table rather than PostgreSQL's 20% keeps the pending
-#: index that the relay reads small (see docs/benchmarks.md, table health).
+#: Tighter per-table autovacuum settings for the outbox table, measured against PostgreSQL's
+#: defaults by ``bench/table_health.py``: every message is inserted and then updated (or
+#: deleted) once, so dead tuples and stale pending-index entries come at the message rate.
 PENDING_AUTOVACUUM: dict[str, float | int] = {
     "autovacuum_vacuum_scale_factor": 0.01,
     "autovacuum_vacuum_threshold": 1000,
