@@ -45,10 +45,10 @@ def test_missing_table_and_bad_settings_are_named(database_url, bootstrap_server
         database_url,
         "--bootstrap-servers",
         bootstrap_servers,
-        "--lease-seconds",
-        "5",
+        "--batch-size",
+        "0",
     )
-    assert bad.returncode == 1 and "lease must outlast" in bad.stderr
+    assert bad.returncode == 1 and "batch size must be between" in bad.stderr
     bad_x = run_relay(
         "--database-url", database_url, "--bootstrap-servers", bootstrap_servers, "-X", "acks"
     )
