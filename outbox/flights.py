@@ -117,13 +117,6 @@ class IdempotentSender:
         ended, self._ended = self._ended, []
         return ended
 
-    def drain(self) -> list[Flight]:
-        """Wait until every batch in flight has settled (deadlines and give_up still apply)."""
-        settled: list[Flight] = []
-        while self.in_flight:
-            settled.extend(self.wait(1.0))
-        return settled
-
     def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
         """Produce ``records`` and wait for Kafka's word on each (stop-and-wait)."""
         flight = self.start(records)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from outbox import health_server
 
 # Re-exported: the relay masks what it logs with the library's one implementation.
 from outbox.redaction import mask_secrets as mask_secrets
@@ -129,6 +129,9 @@ class HealthState:
     def ready(self) -> bool:
         return self.alive and self.database_ok and self.kafka_ok and not self.stopping
 
+    def not_alive_because(self) -> str:
+        return "stuck: batches are not sent" if self.stuck else "stalled"
+
     def not_ready_because(self) -> str:
         reasons = [
             reason
@@ -145,39 +148,4 @@ class HealthState:
 
 def serve(host: str, port: int, metrics: RelayMetrics, health: HealthState) -> ThreadingHTTPServer:
     """Serve /metrics, /healthz (the loop is turning) and /readyz (and connected)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
-            elif self.path == "/healthz":
-                ok = health.alive
-                body = (
-                    b"ok\n"
-                    if ok
-                    else b"stuck: batches are not sent\n"
-                    if health.stuck
-                    else b"stalled\n"
-                )
-                self._send(200 if ok else 503, body)
-            elif self.path == "/readyz":
-                if health.ready:
-                    self._send(200, b"ready\n")
-                else:
-                    self._send(503, f"not ready: {health.not_ready_because()}\n".encode())
-            else:
-                self._send(404, b"not found\n")
-
-        def _send(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return  # scrapes are not worth a log line each
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="outbox-metrics", daemon=True).start()
-    return server
+    return health_server.serve(host, port, metrics.registry, health, "outbox-metrics")

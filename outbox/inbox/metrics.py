@@ -6,13 +6,13 @@ database and Kafka) on one small HTTP server thread.
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from outbox import health_server
 
 
 class InboxMetrics:
@@ -109,6 +109,9 @@ class InboxHealth:
     def ready(self) -> bool:
         return self.alive and self.database_ok and self.kafka_ok and not self.stopping
 
+    def not_alive_because(self) -> str:
+        return "stalled"
+
     def not_ready_because(self) -> str:
         reasons = (
             ("stopping", self.stopping),
@@ -121,32 +124,4 @@ class InboxHealth:
 
 def serve(host: str, port: int, metrics: InboxMetrics, health: InboxHealth) -> ThreadingHTTPServer:
     """Serve /metrics, /healthz and /readyz on a daemon thread; ``shutdown()`` stops it."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
-            elif self.path == "/healthz":
-                ok = health.alive
-                self._send(200 if ok else 503, b"ok\n" if ok else b"stalled\n")
-            elif self.path == "/readyz":
-                if health.ready:
-                    self._send(200, b"ready\n")
-                else:
-                    self._send(503, f"not ready: {health.not_ready_because()}\n".encode())
-            else:
-                self._send(404, b"not found\n")
-
-        def _send(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return  # scrapes are not worth a log line each
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="inbox-metrics", daemon=True).start()
-    return server
+    return health_server.serve(host, port, metrics.registry, health, "inbox-metrics")
