@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import dict_row
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from outbox.rows import Failure, OutboxRows, PendingRow, pending_row
+from outbox.rows import READ_COLUMNS, Failure, OutboxRows, PendingRow, pending_row, pending_row_of
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
@@ -50,9 +49,11 @@ class RelayStore(OutboxRows):
         window = per_shard or max(100, 2 * batch_size // len(shards))
         params = {"shards": list(shards), "window": window, "batch_size": batch_size}
         if owner_connection is not None:
-            with owner_connection.cursor(row_factory=dict_row) as cursor:
+            with owner_connection.cursor() as cursor:
                 cursor.execute(self._read_batch_sql, params)
-                return [pending_row(row) for row in cursor.fetchall()]
+                assert cursor.description is not None
+                assert tuple(c.name for c in cursor.description) == READ_COLUMNS
+                return [pending_row_of(row) for row in cursor.fetchall()]
         with self.autocommit(self.engine) as conn:
             rows = conn.execute(self.queries["read_batch"], params).mappings()
             return [pending_row(row) for row in rows]
