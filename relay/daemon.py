@@ -7,13 +7,15 @@ sent twice by one relay, and a key's messages go in order, also across retries. 
 shards are read in two alternating halves, so that one half's rows are read while the other
 half's batch is in flight.
 
-Ownership changes only when nothing is in flight (the loop drains before each rebalance).
+Shards are let go only when nothing is in flight (the loop drains first); gained shards are
+taken while other batches fly.
 Shutdown (SIGTERM/SIGINT) stops reading, lets the batches in flight finish and be recorded,
 releases the shards and exits 0.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -63,6 +65,20 @@ KAFKA_PROBE_TIMEOUT = 5.0
 LOST_SHARD_HOLD_OFF = 5.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
+#: Garbage collector thresholds of the relay process (see tune_garbage_collector).
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_garbage_collector() -> None:
+    """Collect cycles less often than Python's default (every 700 new objects).
+
+    A batch makes thousands of objects that live until its outcome is recorded, so the
+    default thresholds run full collections over every live object many times a second:
+    measured, a third of the loop's time with exactly-once batches. The relay makes few
+    cycles; the objects of its start-up (modules, clients) are frozen out of the scans.
+    """
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 class Relay:
@@ -135,6 +151,7 @@ class Relay:
         signal.signal(signal.SIGINT, handle)
 
     def run(self) -> int:
+        tune_garbage_collector()
         server = None
         if self.config.metrics_port is not None:
             server = serve(
@@ -437,7 +454,6 @@ class Relay:
         if now < self._next_rebalance:
             return
         assert self._ownership is not None and self._publisher is not None
-        self._drain()  # a shard changes hands only with no batch of it in flight
         self._next_rebalance = now + self.config.rebalance_interval
         self._publisher.serve_events()
         if not self._ownership.joined:
@@ -446,7 +462,11 @@ class Relay:
             self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
             self.health.kafka_ok = True
             self._ownership.join()
-        gained, lost = self._ownership.rebalance(can_serve=self._kafka_reachable)
+        # A shard changes hands only with no batch of it in flight: the batches in flight
+        # finish first when shards are to be let go (gained shards have none).
+        gained, lost = self._ownership.rebalance(
+            can_serve=self._kafka_reachable, before_letting_go=self._drain
+        )
         if lost:
             self._publisher.let_go(lost)
             log.info("released shards %s", lost)
