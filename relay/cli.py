@@ -128,6 +128,14 @@ from outbox.redaction import mask_secrets
     help="Keep nothing: delete rows once Kafka acknowledged them, instead of marking them sent.",
 )
 @click.option(
+    "--durable-marks",
+    is_flag=True,
+    envvar="OUTBOX_RELAY_DURABLE_MARKS",
+    show_envvar=True,
+    help="At-least-once: wait for the disk flush of every mark, so that a database crash "
+    "sends no acknowledged row again (exactly-once marks always wait).",
+)
+@click.option(
     "--shutdown-timeout",
     default=30.0,
     show_default=True,
@@ -157,6 +165,7 @@ def relay(
     transactional_id_prefix: str | None,
     progress_topic: str | None,
     delete_on_send: bool,
+    durable_marks: bool,
     shutdown_timeout: float,
     log_level: str,
 ) -> None:
@@ -196,6 +205,7 @@ def relay(
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             delete_on_send=delete_on_send,
+            durable_marks=durable_marks,
             shutdown_timeout=shutdown_timeout,
         )
         run_db_step(_check_relay_access(config))

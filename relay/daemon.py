@@ -411,7 +411,9 @@ class Relay:
             keepalives_count=3,
             application_name=self.owner[:63],
             # The batch reads run here too (see RelayStore.read_batch): planned per statement.
-            options="-c plan_cache_mode=force_custom_plan -c jit=off",
+            # Marks are committed here: see RelayConfig.marks_wait_for_flush.
+            options="-c plan_cache_mode=force_custom_plan -c jit=off"
+            + ("" if self.config.marks_wait_for_flush else " -c synchronous_commit=off"),
         )
         # The server, too, should notice a vanished relay quickly and drop its locks.
         self._conn.execute("SET tcp_keepalives_idle = 5")
