@@ -75,7 +75,7 @@ class OutboxRecord:
     ) -> OutboxRecord:
         """Build from the row's columns (``id_text``: the id as text, when the query gave it);
         raises ValueError for a row whose headers do not decode."""
-        if (names is None) != (values is None) or (names and len(names) != len(values or ())):
+        if (names is None) != (values is None) or len(names or ()) != len(values or ()):
             raise ValueError("header_names and header_values differ in length")
         headers: list[tuple[str, bytes | None]] = [
             (ID_HEADER, (id_text or str(message_id)).encode())

@@ -179,7 +179,7 @@ def relay(
         signal.signal(sig, lambda *_: stop_early.set())
 
     from outbox.relay.config import RelayConfig, kafka_config_from_env
-    from outbox.relay.daemon import Relay
+    from outbox.relay.daemon import Relay, tune_garbage_collector
     from outbox.relay.observability import configure_logging
     from outbox.relay.policy import RetryPolicy
 
@@ -213,6 +213,7 @@ def relay(
         raise click.ClickException(mask_secrets(str(exc))) from exc
     daemon = Relay(config)
     daemon.install_signal_handlers()
+    tune_garbage_collector()
     if stop_early.is_set():
         daemon.stop()
     sys.exit(daemon.run())

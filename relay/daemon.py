@@ -75,7 +75,10 @@ def tune_garbage_collector() -> None:
     A batch makes thousands of objects that live until its outcome is recorded, so the
     default thresholds run full collections over every live object many times a second:
     measured, a third of the loop's time with exactly-once batches. The relay makes few
-    cycles; the objects of its start-up (modules, clients) are frozen out of the scans.
+    cycles (a constant few hundred objects, however many messages it sends); the objects
+    that exist when this is called (the modules loaded) are frozen out of the scans.
+
+    Process-wide: ``outbox relay`` calls it; an application that embeds a relay decides.
     """
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -96,7 +99,9 @@ class Relay:
         pass their own (a publisher standing in for Kafka, say)."""
         self.config = config
         self.owner = f"relay-{uuid.uuid4()}"
-        self.engine = sender_engine(config.database_url, durable=False, pre_ping=False)
+        # Not the hot path (that is the owner session): a stale pooled connection after a
+        # database restart is replaced instead of failing a take-over or the gauge.
+        self.engine = sender_engine(config.database_url, durable=False)
         self.store = store or RelayStore(
             self.engine, config.spec, self.owner, config.delete_on_send
         )
@@ -151,7 +156,6 @@ class Relay:
         signal.signal(signal.SIGINT, handle)
 
     def run(self) -> int:
-        tune_garbage_collector()
         server = None
         if self.config.metrics_port is not None:
             server = serve(
@@ -412,8 +416,9 @@ class Relay:
             application_name=self.owner[:63],
             # The batch reads run here too (see RelayStore.read_batch): planned per statement.
             # Marks are committed here: see RelayConfig.marks_wait_for_flush.
-            options="-c plan_cache_mode=force_custom_plan -c jit=off"
-            + ("" if self.config.marks_wait_for_flush else " -c synchronous_commit=off"),
+            # Set either way: a database or role default must not decide it.
+            options="-c plan_cache_mode=force_custom_plan -c jit=off -c synchronous_commit="
+            + ("on" if self.config.marks_wait_for_flush else "off"),
         )
         # The server, too, should notice a vanished relay quickly and drop its locks.
         self._conn.execute("SET tcp_keepalives_idle = 5")

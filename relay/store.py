@@ -67,17 +67,22 @@ class RelayStore(OutboxRows):
     ) -> None:
         """Record what Kafka said, on ``owner_connection`` when given: the session that holds
         the rows' shards, so that a relay which lost them (and its session) records nothing
-        over what their next owner does."""
+        over what their next owner does.
+
+        Failures always wait for the disk flush, also where the session's acknowledgements
+        do not (see ``RelayConfig.marks_wait_for_flush``): a forgotten dead or retry mark
+        would send a message again after later messages of its key went."""
         if owner_connection is None:
             super().record_outcome(acks, failures, released)
             return
         assert not released, "the relay leases nothing to release"
         statements = self._outcome_statements(acks, failures)
-        if len(statements) == 1:  # the usual batch, all sent: one round trip in autocommit
+        if len(statements) == 1 and not failures:  # the usual batch: one autocommit round trip
             name, params = statements[0]
             owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
             return
         with owner_connection.pipeline(), owner_connection.transaction():
+            owner_connection.execute("SET LOCAL synchronous_commit = on")
             for name, params in statements:  # sent together: one round trip
                 owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
 

@@ -124,3 +124,43 @@ def test_exactly_once_sends_nothing_twice_after_a_database_crash(
     total, dups = duplicates(bootstrap_servers, topic, 200)
     assert total - dups == 200
     assert dups == 0, f"exactly-once: {dups} duplicates after a PostgreSQL crash"
+
+
+def test_a_crash_forgets_no_dead_mark_so_no_message_goes_after_a_later_one_of_its_key(
+    postgres_server: PostgresServer, outbox_url: str, engine: sa.Engine
+) -> None:
+    """At-least-once marks of sent rows do not wait for the disk; failures do. m1 and m2 share
+    a key; m1 dies (dead rows do not hold their key back) and m2 is sent. Had the dead mark
+    been forgotten in a crash, m1 would be pending again and, Kafka well again, go after m2.
+    Sent marks that a crash forgets only send their rows again."""
+    from outbox.relay.daemon import Relay
+    from tests.integration.test_relay_loop import StubPublisher, config, looping, publish
+
+    stub = StubPublisher(latency=0.01)
+    first: list[uuid.UUID] = []
+    kafka_refuses_m1 = True
+    stub.decide = lambda record: (
+        "dead" if kafka_refuses_m1 and first and record.id == first[0] else "ack"
+    )
+    stopped = aux_pids(postgres_server)  # WAL not flushed by a commit stays in memory
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with looping(Relay(config(outbox_url), publisher=stub)):
+            first.extend(publish(engine, 2, keys=1))  # m1, m2: one key, one transaction
+            wait_for(lambda: statuses(engine) == {"sent": 1, "dead": 1}, 30, "m1 dead, m2 sent")
+            others = publish(engine, 20, keys=20)  # marked sent without waiting for the disk
+            wait_for(lambda: statuses(engine).get("sent") == 21, 30, "the others sent")
+            kafka_refuses_m1 = False
+            crash(postgres_server)
+            postgres_server.start()
+            engine.dispose()
+            wait_for(lambda: "pending" not in statuses(engine), 60, "nothing pending")
+            assert statuses(engine) == {"sent": 21, "dead": 1}
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    delivered = [record.id for record in stub.acked]
+    assert first[0] not in delivered, "the dead message was sent after a later one of its key"
+    assert set(others) <= set(delivered)

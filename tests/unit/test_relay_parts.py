@@ -166,3 +166,47 @@ def test_a_client_failure_without_a_reason_counts_as_fatal() -> None:
     wrapped.__cause__ = fenced
     assert kafka_error_of(wrapped) is fenced.args[0]
     assert kafka_error_of(ValueError("not Kafka's")) is None
+
+
+def test_exactly_once_events_are_served_while_a_transaction_drops_its_lost_producer() -> None:
+    """The loop serves the producers' events while shard transactions run (a rebalance no
+    longer waits for them); one of them may meanwhile drop the producer of a shard it lost."""
+    import threading
+    import time
+
+    from outbox.relay.producers import ExactlyOncePublisher
+
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": "127.0.0.1:9"},
+        transactional_id_prefix="race",
+        progress_topic="race-progress",
+        owner="race",
+        delivery_timeout_ms=1000,
+    )
+    polled: list[int] = []
+
+    class SlowProducer:
+        def __init__(self, shard: int) -> None:
+            self.shard = shard
+
+        def poll(self, timeout: float) -> int:
+            polled.append(self.shard)
+            time.sleep(0.05)  # librdkafka's poll lets other threads run meanwhile
+            return 0
+
+    producers = {shard: SlowProducer(shard) for shard in range(4)}
+    publisher.producers = producers  # type: ignore[assignment]
+
+    def lose_shard_2() -> None:  # what a transaction thread does when it was fenced
+        time.sleep(0.01)
+        publisher._lost(2, producers[2], [], BatchResult(), None)  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=lose_shard_2)
+    thread.start()
+    try:
+        publisher.serve_events()
+    finally:
+        thread.join()
+        publisher.producers = {}
+        publisher.close()
+    assert polled == [0, 1, 2, 3] and 2 not in publisher.producers
