@@ -6,6 +6,7 @@ the Prometheus client load when the command runs.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from outbox.cli_options import (
     parse_key_values,
     run_db_step,
     table_spec,
+    waiting_for_database,
 )
 from outbox.errors import OutboxError
 from outbox.redaction import mask_secrets
@@ -144,6 +146,16 @@ from outbox.redaction import mask_secrets
     help="Seconds a SIGTERM may wait for the batch in hand.",
 )
 @click.option(
+    "--start-timeout",
+    default=60.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_START_TIMEOUT",
+    show_envvar=True,
+    help="Seconds to wait at start for a database that does not accept connections yet "
+    "(starting or restarting); a wrong password, a missing table or missing privileges "
+    "fail at once.",
+)
+@click.option(
     "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
 )
 def relay(
@@ -167,6 +179,7 @@ def relay(
     delete_on_send: bool,
     durable_marks: bool,
     shutdown_timeout: float,
+    start_timeout: float,
     log_level: str,
 ) -> None:
     """Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT)."""
@@ -208,9 +221,18 @@ def relay(
             durable_marks=durable_marks,
             shutdown_timeout=shutdown_timeout,
         )
-        run_db_step(_check_relay_access(config))
+        started = run_db_step(
+            waiting_for_database(
+                _check_relay_access(config),
+                start_timeout,
+                stop=stop_early.wait,
+                warn=logging.getLogger("outbox.relay").warning,
+            )
+        )
     except (OutboxError, ValueError) as exc:
         raise click.ClickException(mask_secrets(str(exc))) from exc
+    if started is None:  # stopped while it waited for the database
+        sys.exit(0)
     daemon = Relay(config)
     daemon.install_signal_handlers()
     tune_garbage_collector()
@@ -219,10 +241,10 @@ def relay(
     sys.exit(daemon.run())
 
 
-def _check_relay_access(config: object) -> Callable[[], None]:
+def _check_relay_access(config: object) -> Callable[[], bool]:
     """Fail fast, in one line, when the database or the table is out of reach."""
 
-    def check() -> None:
+    def check() -> bool:
         import sqlalchemy as sa
 
         from outbox.relay.config import RelayConfig
@@ -262,5 +284,6 @@ def _check_relay_access(config: object) -> Callable[[], None]:
             raise OutboxError(
                 f"table {spec.qualified_name} is older than this relay: run `outbox db upgrade`"
             )
+        return True
 
     return check
