@@ -273,9 +273,14 @@ class ExactlyOncePublisher:
         if not self._flights:
             return []
         futures.wait([f.future for f in self._flights], timeout, futures.FIRST_COMPLETED)
-        ended = [f for f in self._flights if f.done()]
-        self._flights = [f for f in self._flights if not f.done()]
-        return list(ended)
+        # One look per flight: one that ended between two looks would be in neither list,
+        # and its shards would stay busy for good.
+        ended: list[InFlight] = []
+        running: list[ShardFlight] = []
+        for flight in self._flights:
+            (ended if flight.done() else running).append(flight)
+        self._flights = running
+        return ended
 
     @property
     def in_flight(self) -> int:

@@ -210,3 +210,35 @@ def test_exactly_once_events_are_served_while_a_transaction_drops_its_lost_produ
         publisher.producers = {}
         publisher.close()
     assert polled == [0, 1, 2, 3] and 2 not in publisher.producers
+
+
+def test_an_exactly_once_batch_that_ends_while_the_publisher_looks_is_still_returned() -> None:
+    """A shard transaction may end (in its thread) between two looks at it: it must come
+    back from wait() all the same, or its shards stay busy and are never read again."""
+    from concurrent.futures import Future
+
+    from outbox.relay.producers import ExactlyOncePublisher, ShardFlight
+
+    class EndsWhileLookedAt(ShardFlight):
+        looks = 0
+
+        def done(self) -> bool:
+            self.looks += 1
+            return self.looks > 1  # running at the first look, ended at the next
+
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": "127.0.0.1:9"},
+        transactional_id_prefix="race",
+        progress_topic="race-progress",
+        owner="race",
+        delivery_timeout_ms=1000,
+    )
+    future: Future[BatchResult] = Future()
+    future.set_result(BatchResult())
+    flight = EndsWhileLookedAt([], future)
+    publisher._flights = [flight]
+    try:
+        returned = publisher.wait(0) + publisher.wait(0)
+    finally:
+        publisher.close()
+    assert returned == [flight]
