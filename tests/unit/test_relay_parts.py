@@ -242,3 +242,28 @@ def test_an_exactly_once_batch_that_ends_while_the_publisher_looks_is_still_retu
     finally:
         publisher.close()
     assert returned == [flight]
+
+
+def test_letting_go_of_a_fenced_exactly_once_producer_does_not_raise() -> None:
+    """A shard is often let go because its producer was fenced; flushing such a producer
+    raises, and that must not take the relay down (seen in a chaos run after a database
+    restart: the relay exited from its own error handling)."""
+    from outbox.relay.producers import ExactlyOncePublisher
+
+    class FencedProducer:
+        def flush(self, timeout: float) -> int:
+            raise KafkaException(KafkaError(KafkaError._FENCED, "fenced", fatal=True))
+
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": "127.0.0.1:9"},
+        transactional_id_prefix="fenced",
+        progress_topic="fenced-progress",
+        owner="fenced",
+        delivery_timeout_ms=1000,
+    )
+    publisher.producers = {3: FencedProducer(), 4: FencedProducer()}  # type: ignore[dict-item]
+    try:
+        publisher.let_go([3, 4])
+    finally:
+        publisher.close()
+    assert publisher.producers == {}
