@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from outbox.decoding import Deserializer, JsonDeserializer
 from outbox.errors import ConfigError
-from outbox.inbox.decoding import Deserializer, JsonDeserializer
 from outbox.message import ID_HEADER
 from outbox.validation import validate_topic
 
@@ -201,18 +201,9 @@ class Inbox:
 
 def load_inbox(target: str) -> Inbox:
     """``"package.module:name"`` -> the :class:`Inbox` object it names."""
-    import importlib
+    from outbox.loading import load_target
 
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ConfigError(f"{target!r} is not module:attribute (e.g. myapp.handlers:inbox)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name}: {exc}") from exc
-    found: Any = module
-    for part in attribute.split("."):
-        found = getattr(found, part, None)
+    found = load_target(target, "myapp.handlers:inbox")
     if not isinstance(found, Inbox):
         raise ConfigError(f"{target} is not an outbox.inbox.Inbox (got {type(found).__name__})")
     if not found.topics:
