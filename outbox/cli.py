@@ -189,8 +189,10 @@ def purge(
 ) -> None:
     """Delete sent rows older than --older-than, in short batches.
 
-    Refuses a cut-off the nightly reconciliation may still read (the previous UTC day, with
-    its grace period) unless --ignore-audit-window is given.
+    Prepared messages rolled back before the cut-off go too (they were never published);
+    prepared messages waiting for a verdict never do. Refuses a cut-off the nightly
+    reconciliation may still read (the previous UTC day, with its grace period) unless
+    --ignore-audit-window is given.
     """
     from datetime import UTC
 
@@ -219,8 +221,8 @@ def purge(
     finally:
         engine.dispose()
     what = (
-        f"sent rows older than {older_than} "
-        f"(created and sent before {cutoff:%Y-%m-%d %H:%M:%S} UTC)"
+        f"sent and rolled-back rows older than {older_than} "
+        f"(created and sent, or rolled back, before {cutoff:%Y-%m-%d %H:%M:%S} UTC)"
     )
     if dry_run:
         click.echo(f"would delete {count} {what}; dry run, nothing deleted")
