@@ -2,9 +2,10 @@
 
 The library's own commands (``db``, ``purge``, ``dead``) live here. The others live with the
 package they run and load only when named: ``relay`` (:mod:`outbox.relay.cli`), ``reconcile``
-(:mod:`outbox.spark_jobs.cli`), and from a source checkout ``dev`` (:mod:`outbox.devstack.cli`)
-and ``chaos`` (:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor
-PySpark, and a command whose package is not installed says so in one line.
+(:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`), and
+from a source checkout ``dev`` (:mod:`outbox.devstack.cli`) and ``chaos``
+(:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor PySpark, and a
+command whose package is not installed says so in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import Any, NamedTuple
 
 import click
 
-from outbox.cli_options import DATABASE_URL, SCHEMA, TABLE, run_db_step, table_spec
+from outbox.cli_options import (
+    DATABASE_URL,
+    SCHEMA,
+    TABLE,
+    database_engine,
+    message_selection,
+    run_db_step,
+    table_spec,
+)
 from outbox.errors import OutboxError
 
 
@@ -260,16 +269,11 @@ def dead() -> None:
 @contextmanager
 def _dead_store(database_url: str, schema: str, table: str) -> Iterator[tuple[Any, Any]]:
     """An engine (disposed afterwards, whatever happens) and the table's named queries."""
-    import sqlalchemy as sa
-
     from outbox.queries import Queries
 
     queries = Queries(table_spec(schema, table))
-    engine = sa.create_engine(database_url)
-    try:
+    with database_engine(database_url) as engine:
         yield engine, queries
-    finally:
-        engine.dispose()
 
 
 @dead.command("list")
@@ -319,12 +323,7 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
 
 
 def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
-    @DATABASE_URL
-    @SCHEMA
-    @TABLE
-    @click.option("--topic", default=None, help="Only this topic's dead messages.")
-    @click.option("--all", "everything", is_flag=True, help="Every dead message.")
-    @click.argument("message_ids", nargs=-1, type=click.UUID)
+    @message_selection("Only this topic's dead messages.", "Every dead message.")
     def command(
         database_url: str,
         schema: str,

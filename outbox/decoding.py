@@ -10,6 +10,7 @@ help); a check-back checker gets the undecoded bytes. Used by the inbox
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import orjson
@@ -61,3 +62,12 @@ class BytesDeserializer:
 
     def deserialize(self, value: bytes | None, content_type: str | None) -> Any:
         return value
+
+
+def last_header(headers: Iterable[tuple[str, bytes | None]], name: str) -> bytes | None:
+    """The last value of header ``name`` among ``headers``, or None (Kafka allows repeats)."""
+    found = None
+    for key, value in headers:
+        if key == name:
+            found = value
+    return found

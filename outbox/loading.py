@@ -1,11 +1,16 @@
-"""Finding the object a command line names as ``package.module:attribute``."""
+"""The application's objects the daemons run: found by the ``package.module:attribute`` a
+command line names, and registered by name (an inbox's handlers per topic, check-back's
+checkers per check group)."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any, TypeVar
 
 from outbox.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def load_target(target: str, example: str) -> Any:
@@ -23,3 +28,28 @@ def load_target(target: str, example: str) -> Any:
     for part in attribute.split("."):
         found = getattr(found, part, None)
     return found
+
+
+def register_once(
+    table: MutableMapping[str, T],
+    fn: T,
+    names: Sequence[str],
+    *,
+    validate: Callable[[str], object],
+    what: str,
+    name_kind: str,
+) -> None:
+    """Put ``fn`` (a ``what``: handler, checker) in ``table`` under each of ``names`` (of kind
+    ``name_kind``: topic, check group), all of them or, on a
+    :class:`~outbox.errors.ConfigError`, none: ``fn`` must be callable, and each name valid and
+    not yet taken."""
+    if not callable(fn):
+        raise ConfigError(f"{what} must be callable, got {type(fn).__name__}")
+    if not names:
+        raise ConfigError(f"name at least one {name_kind} for the {what}")
+    for name in names:
+        validate(name)
+        if name in table:
+            raise ConfigError(f"{name_kind} {name!r} already has a {what}")
+    for name in names:
+        table[name] = fn
