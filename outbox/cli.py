@@ -2,10 +2,11 @@
 
 The library's own commands (``db``, ``purge``, ``dead``) live here. The others live with the
 package they run and load only when named: ``relay`` (:mod:`outbox.relay.cli`), ``reconcile``
-(:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`), and
-from a source checkout ``dev`` (:mod:`outbox.devstack.cli`) and ``chaos``
-(:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor PySpark, and a
-command whose package is not installed says so in one line.
+(:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`),
+``checkback`` and ``prepared`` (:mod:`outbox.prepared.cli`), and from a source checkout
+``dev`` (:mod:`outbox.devstack.cli`) and ``chaos`` (:mod:`outbox.chaos.cli`). So
+``outbox --help`` loads neither librdkafka nor PySpark, and a command whose package is not
+installed says so in one line.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ LAZY_COMMANDS = {
         "outbox.inbox.cli",
         "inbox",
         "The inbox tables: install, purge old rows, deal with parked messages.",
+    ),
+    "checkback": LazyCommand(
+        "outbox.prepared.cli",
+        "checkback",
+        "Check prepared messages with MODULE:REGISTRY's checkers until stopped.",
+    ),
+    "prepared": LazyCommand(
+        "outbox.prepared.cli",
+        "prepared",
+        "Inspect prepared messages; commit or roll back those waiting for a verdict.",
     ),
     "dev": LazyCommand(
         "outbox.devstack.cli",

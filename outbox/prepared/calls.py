@@ -1,0 +1,107 @@
+"""Calling checkers, each in a thread of its own and bounded by a timeout.
+
+A checker calls the service's other systems (a database, a payment provider), and any of
+them can hang. Python cannot kill a thread, so a checker that has not answered by the timeout
+is left running on its own (a daemon thread) and its check counts as ``timeout``; the runner
+goes on. Such threads are counted (:attr:`CheckCalls.hung`): the runner's health turns bad
+when too many pile up, so that a supervisor restarts the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from outbox.prepared.answers import parse_answer
+from outbox.prepared.checkers import CheckMessage
+
+#: The recorded answers beside COMMIT, ROLLBACK and UNKNOWN: the checker raised (or answered
+#: something else), or did not answer within the timeout. Both count as a check without a
+#: verdict, as UNKNOWN does.
+ERROR, TIMEOUT = "error", "timeout"
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """One checker call: the answer (``commit``, ``rollback``, ``unknown``, ``error`` or
+    ``timeout``), the error when there was one, and how long it took."""
+
+    message: CheckMessage
+    answer: str
+    error: str | None
+    seconds: float
+
+
+class CheckCalls:
+    """Runs a round of checks at once, one thread each, and waits ``timeout`` seconds at most
+    for their answers. ``checker_for(group)`` gives the checker of a check group."""
+
+    def __init__(self, checker_for: Callable[[str], Any], timeout: float) -> None:
+        self.checker_for = checker_for
+        self.timeout = timeout
+        self._abandoned: list[threading.Thread] = []
+
+    @property
+    def hung(self) -> int:
+        """Checker calls that timed out and have not returned yet."""
+        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+        return len(self._abandoned)
+
+    def run(self, messages: Sequence[CheckMessage]) -> list[CheckOutcome]:
+        """Ask the checker of each message, all at once; the outcomes in the same order."""
+        answers: queue.Queue[tuple[int, str, str | None, float]] = queue.Queue()
+        threads = [
+            threading.Thread(
+                target=self._call,
+                args=(index, message, answers),
+                name=f"checkback-{message.id}",
+                daemon=True,  # a hung checker must not keep the process from exiting
+            )
+            for index, message in enumerate(messages)
+        ]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        got: dict[int, CheckOutcome] = {}
+        deadline = started + self.timeout
+        while len(got) < len(messages):
+            try:
+                index, answer, error, seconds = answers.get(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
+            except queue.Empty:
+                break
+            got[index] = CheckOutcome(messages[index], answer, error, seconds)
+        for index, message in enumerate(messages):
+            if index not in got:
+                self._abandoned.append(threads[index])
+                error = f"no answer within {self.timeout:g}s"
+                got[index] = CheckOutcome(message, TIMEOUT, error, self.timeout)
+        return [got[index] for index in range(len(messages))]
+
+    def _call(
+        self,
+        index: int,
+        message: CheckMessage,
+        answers: queue.Queue[tuple[int, str, str | None, float]],
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            raw = self.checker_for(message.group)(message)
+            if inspect.iscoroutine(raw):
+                raw = asyncio.run(raw)
+            answer, error = parse_answer(raw, f"the checker of {message.group!r}").value, None
+        except Exception as exc:
+            answer, error = ERROR, f"{type(exc).__name__}: {exc}"
+        answers.put((index, answer, error, time.perf_counter() - started))
+
+
+def message_ids(outcomes: Sequence[CheckOutcome]) -> list[uuid.UUID]:
+    return [outcome.message.id for outcome in outcomes]
