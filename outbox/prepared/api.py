@@ -76,9 +76,11 @@ class Prepared:
         self._owner.rollback(self.message_id)
 
     async def acommit(self) -> None:
+        """:meth:`PreparedMessages.acommit` of this message."""
         await self._owner.acommit(self.message_id)
 
     async def arollback(self) -> None:
+        """:meth:`PreparedMessages.arollback` of this message."""
         await self._owner.arollback(self.message_id)
 
     @property

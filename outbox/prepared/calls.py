@@ -14,7 +14,6 @@ import inspect
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +100,3 @@ class CheckCalls:
         except Exception as exc:
             answer, error = ERROR, f"{type(exc).__name__}: {exc}"
         answers.put((index, answer, error, time.perf_counter() - started))
-
-
-def message_ids(outcomes: Sequence[CheckOutcome]) -> list[uuid.UUID]:
-    return [outcome.message.id for outcome in outcomes]

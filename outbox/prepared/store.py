@@ -193,27 +193,17 @@ class PreparedStore:
 
     def problem(self, engine: sa.Engine) -> str | None:
         """Why the runner cannot work on this table, or None when it can."""
-        with engine.connect() as conn:
-            exists, upgraded, allowed = conn.execute(
-                sa.text(
-                    "SELECT t.oid IS NOT NULL, EXISTS (SELECT 1 FROM pg_attribute"
-                    " WHERE attrelid = t.oid AND attname = 'check_group' AND NOT attisdropped),"
-                    # One privilege per call: given a list, Postgres answers true when any one
-                    # of them is held.
-                    " t.oid IS NOT NULL AND has_table_privilege(t.oid, 'SELECT')"
-                    " AND has_table_privilege(t.oid, 'UPDATE')"
-                    " FROM (SELECT to_regclass(:name) AS oid) AS t"
-                ),
-                {"name": self.spec.qualified_name},
-            ).one()
-            role = conn.execute(sa.text("SELECT current_user")).scalar_one()
         name = self.spec.qualified_name
-        if not exists:
+        with engine.connect() as conn:
+            found = conn.execute(self.queries["checkback_access"], {"name": name}).one()
+        if not found.table_exists:
             return f"table {name} does not exist: run `outbox db upgrade`"
-        if not upgraded:
+        if not found.upgraded:
             return _too_old(self.spec)
-        if not allowed:
-            return f"role {role} needs SELECT and UPDATE on {name} (docs/prepared-messages.md)"
+        if not found.allowed:
+            return (
+                f"role {found.role} needs SELECT and UPDATE on {name} (docs/prepared-messages.md)"
+            )
         return None
 
     # -- the operator's side ------------------------------------------------------------------

@@ -410,6 +410,19 @@ UPDATE {table}
  WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'prepared' AND check_count >= :max_checks
 RETURNING id;
 
+-- name: checkback_access
+-- What a check-back runner needs of the table :name: that it exists, has the columns of
+-- revision 0004, and that the role may SELECT and UPDATE it (one privilege per call: given a
+-- list, PostgreSQL answers true when any one of them is held).
+SELECT t.oid IS NOT NULL AS table_exists,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = t.oid AND attname = 'check_group' AND NOT attisdropped)
+           AS upgraded,
+       t.oid IS NOT NULL AND has_table_privilege(t.oid, 'SELECT')
+           AND has_table_privilege(t.oid, 'UPDATE') AS allowed,
+       current_user AS role
+  FROM (SELECT to_regclass(:name) AS oid) AS t;
+
 -- name: count_prepared
 -- Prepared messages of the checkers :groups: how many, and the age in seconds of the oldest.
 SELECT check_group, count(*) AS prepared,
