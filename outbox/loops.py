@@ -3,9 +3,15 @@ health, as the endpoints of :mod:`outbox.health_server` report it, and how they 
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from outbox.errors import ConfigError
 
 
 class LoopHealth:
@@ -62,3 +68,31 @@ class Stoppable:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
+
+    def wait_for_database(
+        self,
+        problem: Callable[[], str | None],
+        backoff: Callable[[int], float],
+        log: logging.Logger,
+    ) -> bool:
+        """Wait while the database is out of reach, asking ``problem()`` again after each
+        ``backoff(attempts)``; what waiting cannot fix (``problem()`` returns why: a missing
+        table, say) raises :class:`~outbox.errors.ConfigError` at once. False when stopped
+        first."""
+        attempt = 0
+        while not self._stop.is_set():
+            self.health.tick()
+            try:
+                found = problem()
+            except (sa.exc.DBAPIError, OSError) as exc:
+                attempt += 1
+                log.warning(
+                    "database unavailable at start", extra={"error": str(exc).splitlines()[0]}
+                )
+                self._stop.wait(backoff(attempt))
+                continue
+            if found:
+                raise ConfigError(found)
+            self.health.database_ok = True
+            return True
+        return False

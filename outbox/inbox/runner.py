@@ -114,7 +114,7 @@ class InboxRunner(Stoppable):
         applier: SyncApplier | AsyncApplier | None = None
         consumer: Consumer | None = None
         try:
-            if not self._wait_for_tables(engine):
+            if not self.wait_for_database(lambda: self._tables_problem(engine), self._backoff, log):
                 return
             if self.inbox.is_async:
                 applier = AsyncApplier(
@@ -324,26 +324,9 @@ class InboxRunner(Stoppable):
         if deleted:
             log.info("inbox rows purged", extra={"deleted": deleted})
 
-    def _wait_for_tables(self, engine: sa.Engine) -> bool:
-        """Wait while the database is out of reach; refuse missing tables at once."""
-        attempt = 0
-        while not self._stop.is_set():
-            try:
-                with engine.connect() as conn:
-                    problem = self.store.check(conn)
-            except (sa.exc.DBAPIError, OSError) as exc:
-                self.health.tick()
-                attempt += 1
-                log.warning(
-                    "database unavailable at start", extra={"error": str(exc).splitlines()[0]}
-                )
-                self._stop.wait(self._backoff(attempt))
-                continue
-            if problem:
-                raise ConfigError(problem)
-            self.health.database_ok = True
-            return True
-        return False
+    def _tables_problem(self, engine: sa.Engine) -> str | None:
+        with engine.connect() as conn:
+            return self.store.check(conn)
 
     def _backoff(self, attempts: int) -> float:
         ceiling = min(self.config.backoff_max, self.config.backoff_base * 2 ** (attempts - 1))

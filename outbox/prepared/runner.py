@@ -114,7 +114,7 @@ class CheckbackRunner(Stoppable):
             ) as server:
                 if server is not None:
                     self.metrics_address = server.server_address[:2]  # type: ignore[assignment]
-                if self._wait_for_table(engine):
+                if self.wait_for_database(lambda: self.store.problem(engine), _backoff, log):
                     log.info(
                         "check-back runner started",
                         extra={"owner": self.owner, "groups": self.registry.groups},
@@ -168,7 +168,12 @@ class CheckbackRunner(Stoppable):
             except (sa.exc.DBAPIError, OSError) as exc:
                 self.health.database_ok = False
                 outage += 1
-                self._wait_out("database unavailable: checking again later", exc, outage)
+                delay = _backoff(outage)
+                log.warning(
+                    "database unavailable: checking again later",
+                    extra={"error": str(exc).splitlines()[0], "retry_in": round(delay, 2)},
+                )
+                self._stop.wait(delay)
                 continue
             outage = 0
             self.health.database_ok = True
@@ -214,29 +219,6 @@ class CheckbackRunner(Stoppable):
         self.health.tick()
         self.health.hung = self.calls.hung
         self.metrics.hung.set(self.health.hung)
-
-    def _wait_out(self, what: str, error: BaseException, attempts: int) -> None:
-        """Log a database failure and wait a backoff (or until stopped)."""
-        delay = _backoff(attempts)
-        log.warning(what, extra={"error": str(error).splitlines()[0], "retry_in": round(delay, 2)})
-        self._stop.wait(delay)
-
-    def _wait_for_table(self, engine: sa.Engine) -> bool:
-        """Wait while the database is out of reach; refuse a missing or old table at once."""
-        attempt = 0
-        while not self._stop.is_set():
-            self._tick()
-            try:
-                problem = self.store.problem(engine)
-            except (sa.exc.DBAPIError, OSError) as exc:
-                attempt += 1
-                self._wait_out("database unavailable at start", exc, attempt)
-                continue
-            if problem:
-                raise ConfigError(problem)
-            self.health.database_ok = True
-            return True
-        return False
 
 
 def _about(outcome: CheckOutcome, error: str | None) -> dict[str, Any]:
