@@ -91,6 +91,16 @@ def _record(message) -> TopicRecord:  # type: ignore[no-untyped-def]
     )
 
 
+def partition_ends(records: Iterable[TopicRecord]) -> dict[tuple[str, int], int]:
+    """Per (topic, partition): the offset after its last record, where a consumer that read
+    everything has committed."""
+    ends: dict[tuple[str, int], int] = {}
+    for r in records:
+        slot = (r.topic, r.partition)
+        ends[slot] = max(ends.get(slot, 0), r.offset + 1)
+    return ends
+
+
 def row_facts(engine: sa.Engine, topics: Iterable[str]) -> dict[uuid.UUID, RowFacts]:
     with engine.connect() as conn:
         rows = conn.execute(

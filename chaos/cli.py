@@ -6,6 +6,7 @@ import json
 import secrets
 import signal
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -48,6 +49,13 @@ from outbox.relay.config import AT_LEAST_ONCE, EXACTLY_ONCE
     "--rate", type=click.FloatRange(min=1), default=None, help="Messages per second, all writers."
 )
 @click.option(
+    "--consumers",
+    type=click.IntRange(min=0, max=6),
+    default=None,
+    help="Inbox consumers of the consuming stage (default: the profile's, 3); 0 leaves the "
+    "stage out, and its faults with it.",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -62,21 +70,25 @@ def chaos(
     profile: str,
     duration: float | None,
     rate: float | None,
+    consumers: int | None,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
 ) -> None:
     """Break things on purpose and prove nothing was lost, invented or reordered.
 
-    Starts a private PostgreSQL + Kafka, runs writers (some transactions rolled back on purpose)
-    and three relays, and plays a fault schedule drawn from --seed: relay kill -9 and SIGTERM,
-    broker stop/start, PostgreSQL restart, and latency, dropped and stalled connections between
-    the relays and the broker. Then it drains, runs the reconciliation job and reads the topics
-    back. The last line is the result as JSON. Exit 0: every guarantee held; 1: a violation;
-    2: the run could not be carried out.
+    Starts a private PostgreSQL + Kafka, runs writers (some transactions rolled back on purpose),
+    three relays, and consumers applying every message to a second service's database through
+    the inbox, and plays a fault schedule drawn from --seed: relay and consumer kill -9 and
+    SIGTERM, broker stop/start, PostgreSQL restart, and latency, dropped and stalled connections
+    to the broker. Then it drains, runs the reconciliation job, reads the topics back and checks
+    that every committed message was applied once, in key order. The last line is the result as
+    JSON. Exit 0: every guarantee held; 1: a violation; 2: the run could not be carried out.
     """
     seed = secrets.randbelow(2**31) if seed is None else seed
     chosen = PROFILES[profile]
+    if consumers is not None:
+        chosen = replace(chosen, consumers=consumers)
     if plan_only:
         for fault in plan(seed, chosen, duration):
             click.echo(json.dumps(fault.to_json()))
@@ -125,6 +137,19 @@ def _print_report(body: dict[str, object]) -> None:
         f"missing {body['missing']}, phantom {body['phantom']}, duplicates {body['duplicates']}, "
         f"order violations {body['order_violations']}",
     ]
+    consuming = body.get("consuming")
+    if isinstance(consuming, dict):
+        lines += [
+            f"consumers          {consuming['consumers']}; at the topics' end after "
+            f"{consuming['catch_up_s']} s of waiting; SIGTERM exit codes "
+            f"{consuming['term_exit_codes']}",
+            f"applied            {consuming['applied']} (inbox rows {consuming['inbox_rows']}); "
+            f"duplicates skipped by the inbox {consuming['duplicates_skipped']}; "
+            f"parked {consuming['parked']}",
+            f"applied: missing {consuming['missing']}, twice {consuming['applied_twice']}, "
+            f"never committed {consuming['not_committed']}, order violations "
+            f"{consuming['order_violations']}",
+        ]
     lines += [f"VIOLATION: {v}" for v in body["violations"]]  # type: ignore[attr-defined]
     lines.append(f"verdict            {body['verdict']}")
     for line in lines:

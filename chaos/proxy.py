@@ -1,7 +1,8 @@
 """A loopback TCP proxy that can add latency, reset connections or stall them on command.
 
-The relays reach the broker only through it, so network faults hit exactly the relay <-> broker
-path. It runs its own asyncio loop in a thread; the control methods are called from any thread.
+The relays and the consumers reach the broker only through it, so network faults hit exactly
+their paths to the broker. It runs its own asyncio loop in a thread; the control methods are
+called from any thread.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
 """One chaos run, start to verdict.
 
 1. Start a private stack (PostgreSQL, Kafka with a proxied listener, the fault proxy), create
-   the outbox table, a business table and the topics.
-2. Start the writers and the relays; play the seeded fault schedule, logging every fault.
+   the outbox table, a business table and the topics, and the consuming service's database
+   with the inbox tables and the service's effect table.
+2. Start the writers, the relays and the consumers; play the seeded fault schedule, logging
+   every fault.
 3. Heal everything, stop the writers, let the relays drain, stop them with SIGTERM.
 4. Audit: the reconciliation job (Spark, read_committed) for missing, phantom and duplicate
    messages; the topics read back for per-key order and rolled-back messages; the tables for
-   atomicity. The last output line is the result as one JSON object.
+   atomicity. Then let the consumers reach the topics' ends, stop them with SIGTERM, and check
+   that the service applied every committed message once, per key in order. The last output
+   line is the result as one JSON object.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,10 +29,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox import migrate
-from outbox.chaos import audit
+from outbox.chaos import applied, audit
+from outbox.chaos.consumers import ConsumerFleet, wait_caught_up
+from outbox.chaos.fleet import ProcessFleet
 from outbox.chaos.relays import RelayFleet
 from outbox.chaos.schedule import (
     BROKER_RESTART,
+    CONSUMER_KILL,
+    CONSUMER_TERM,
     NET_DROP,
     NET_LATENCY,
     NET_STALL,
@@ -39,16 +47,17 @@ from outbox.chaos.schedule import (
     Profile,
     plan,
 )
+from outbox.chaos.service import prepare_database
 from outbox.chaos.stack import ChaosStack
-from outbox.chaos.verdict import Findings
-from outbox.chaos.writers import CREATE_BUSINESS_TABLE, Writer
+from outbox.chaos.verdict import ConsumingFindings, Findings
+from outbox.chaos.writers import CREATE_BUSINESS_TABLE, PARTITIONS, TOPICS, Writer
 from outbox.devstack.stack import sweep_stale_runs
 from outbox.devstack.topics import create_topics
 
-TOPICS = ("chaos.orders", "chaos.payments")
-PARTITIONS = 3
 #: The longest wait for the relays to send everything once the faults are over.
 DRAIN_TIMEOUT = 300.0
+#: The longest wait, after the reconciliation, for the consumers to reach the topics' ends.
+CATCH_UP_TIMEOUT = 180.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class ChaosResult:
 
     def to_json(self) -> dict[str, Any]:
         f = self.findings
-        return {
+        body = {
             "mode": self.settings.mode,
             "seed": self.settings.seed,
             "profile": self.settings.profile.name,
@@ -92,6 +101,9 @@ class ChaosResult:
             "violations": f.violations(),
             **self.extra,
         }
+        if f.consuming is not None:
+            body["consuming"] = {**asdict(f.consuming), **self.extra.get("consuming", {})}
+        return body
 
 
 class FaultLog:
@@ -129,6 +141,8 @@ class ChaosRun:
         (settings.output / "faults.jsonl").unlink(missing_ok=True)  # a folder used before
         self.log = FaultLog(settings.output / "faults.jsonl", echo)
         self.fleet: RelayFleet | None = None
+        self.consumers: ConsumerFleet | None = None
+        self.service_url = ""
         self.writers: list[Writer] = []
 
     # -- the whole run ---------------------------------------------------------------------
@@ -162,7 +176,8 @@ class ChaosRun:
         self.echo(
             f"chaos run {self.run_id}: {s.mode}, seed {s.seed}, profile {self.profile.name}, "
             f"{len(self.schedule)} faults planned, {self.rate:.0f} msgs/s, "
-            f"{self.profile.relays} relays, output {s.output}"
+            f"{self.profile.relays} relays, {self.profile.consumers} consumers, "
+            f"output {s.output}"
         )
         for fault in self.schedule:
             self.echo(f"  plan +{fault.at:6.1f}s  {fault.describe()}")
@@ -178,14 +193,21 @@ class ChaosRun:
         self.fleet = RelayFleet(
             self.profile.relays,
             info.database_url,
-            self.stack.relay_bootstrap,
+            self.stack.proxied_bootstrap,
             s.mode,
             s.output,
             self.run_id,
         )
+        if self.profile.consumers:
+            self.service_url = self.stack.service_database_url()
+            prepare_database(self.service_url)
+            self.consumers = ConsumerFleet(
+                self.profile.consumers, self.service_url, self.stack.proxied_bootstrap, s.output
+            )
         self.log.started = time.monotonic()
-        self.log.event("servers up; relays and writers starting")
-        self.fleet.start_all()
+        self.log.event("servers up; relays, consumers and writers starting")
+        for fleet in self._fleets():
+            fleet.start_all()
         per_writer = self.rate / self.profile.writers
         self.writers = [
             Writer(i, info.database_url, list(TOPICS), s.seed, per_writer)
@@ -197,6 +219,7 @@ class ChaosRun:
     def _play(self) -> None:
         for fault in self.schedule:
             self._wait_until(fault.at)
+            self._wait_serving()
             self._inject(fault)
         end = self.settings.duration or self.profile.duration
         self._wait_until(max(end, self.log.elapsed() + 2.0))
@@ -206,27 +229,51 @@ class ChaosRun:
             writer.join(60)
         self.log.event("writers stopped")
 
+    def _fleets(self) -> list[ProcessFleet]:
+        return [fleet for fleet in (self.fleet, self.consumers) if fleet is not None]
+
     def _wait_until(self, offset: float) -> None:
-        """Sleep until ``offset`` seconds into the run, restarting relays that died."""
-        assert self.fleet is not None
+        """Sleep until ``offset`` seconds into the run, restarting relays and consumers that
+        died."""
         while True:
-            for index, code in self.fleet.check():
-                self.log.event(f"relay-{index} exited by itself (code {code}); restarted")
+            for fleet in self._fleets():
+                for index, code in fleet.check():
+                    self.log.event(
+                        f"{fleet.name}-{index} exited by itself (code {code}); restarted"
+                    )
             left = offset - self.log.elapsed()
             if left <= 0:
                 return
             time.sleep(min(left, 0.5))
 
+    def _wait_serving(self) -> None:
+        """Before a fault, let every relay and consumer finish starting, as a broker or a
+        database is up before the next fault: a SIGTERM landing while a process still imports
+        would end it before its handler exists, and a relay exits when its first look at the
+        database fails (it serves only after that look)."""
+        for fleet in self._fleets():
+            for index in range(fleet.count):
+                fleet.wait_serving(index)
+
+    def _target(self, fault: Fault) -> tuple[ProcessFleet, int] | None:
+        """The fleet and index of the process a fault stops, if it stops one."""
+        if fault.kind in (RELAY_KILL, RELAY_TERM) and self.fleet is not None:
+            return self.fleet, fault.relay or 0
+        if fault.kind in (CONSUMER_KILL, CONSUMER_TERM) and self.consumers is not None:
+            return self.consumers, fault.consumer or 0
+        return None
+
     def _inject(self, fault: Fault) -> None:
-        assert self.fleet is not None
-        stack, fleet = self.stack, self.fleet
+        stack, target = self.stack, self._target(fault)
         entry = self.log.event(f"fault {fault.describe()}", fault=fault.to_json())
         self.log.faults.append({**fault.to_json(), "started": entry["at"], "t": entry["t"]})
-        if fault.kind == RELAY_KILL:
-            fleet.kill(fault.relay or 0)
-        elif fault.kind == RELAY_TERM:
-            code = fleet.terminate(fault.relay or 0)
-            self.log.event(f"relay-{fault.relay} stopped, exit code {code}")
+        if target is not None:
+            fleet, index = target
+            if fault.kind in (RELAY_KILL, CONSUMER_KILL):
+                fleet.kill(index)
+            else:
+                code = fleet.terminate(index)
+                self.log.event(f"{fleet.name}-{index} stopped, exit code {code}")
         elif fault.kind == BROKER_RESTART:
             stack.kafka.kill() if fault.how == "kill" else stack.kafka.stop()
         elif fault.kind == POSTGRES_RESTART:
@@ -239,9 +286,10 @@ class ChaosRun:
             stack.proxy.stall()
         self._wait_until(self.log.elapsed() + fault.hold)
         # Heal.
-        if fault.kind in (RELAY_KILL, RELAY_TERM):
-            fleet.start(fault.relay or 0)
-            what = f"relay-{fault.relay} restarted"
+        if target is not None:
+            fleet, index = target
+            fleet.start(index)
+            what = f"{fleet.name}-{index} restarted"
         elif fault.kind == BROKER_RESTART:
             stack.kafka.start()
             what = "broker up again"
@@ -255,7 +303,8 @@ class ChaosRun:
 
     def _drain(self) -> None:
         assert self.fleet is not None
-        self.fleet.ensure_all_running()
+        for fleet in self._fleets():
+            fleet.ensure_all_running()
         engine = sa.create_engine(self.stack.database_url)
         try:
             deadline = time.monotonic() + DRAIN_TIMEOUT
@@ -276,7 +325,7 @@ class ChaosRun:
     ) -> tuple[Findings, dict[str, Any]]:
         from outbox.chaos.reconciliation import reconcile_run
 
-        self.echo("auditing: reconciliation job (Spark), topics read back, tables")
+        self.echo("auditing: reconciliation job (Spark), topics read back, tables, consumers")
         summary = reconcile_run(
             self.stack.database_url,
             self.stack.direct_bootstrap,
@@ -312,6 +361,8 @@ class ChaosRun:
             engine.dispose()
         for line in order[:20]:
             self.echo(f"  order: {line}")
+        consuming, consuming_extra = self._audit_consuming(records, rows)
+        findings = replace(findings, consuming=consuming)
         extra = {
             "committed": len(rows),  # the table is the truth: confirmed + uncertain that made it
             "outbox_rows": summary.outbox_rows,
@@ -323,12 +374,63 @@ class ChaosRun:
             "relay_term_exit_codes": self.fleet.term_exits if self.fleet else [],
             "output": str(self.settings.output),
         }
+        if consuming_extra:
+            extra["consuming"] = consuming_extra
         return findings, extra
+
+    def _audit_consuming(
+        self, records: list[audit.TopicRecord], rows: dict[uuid.UUID, audit.RowFacts]
+    ) -> tuple[ConsumingFindings | None, dict[str, Any]]:
+        """Wait for the consumers to reach the end of every partition (the relays are stopped,
+        so the topics are final), stop them, and check what the service applied."""
+        if self.consumers is None:
+            return None, {}
+        started = time.monotonic()
+        behind = wait_caught_up(
+            self.stack.direct_bootstrap,
+            audit.partition_ends(records),
+            CATCH_UP_TIMEOUT,
+            pause=lambda: self._wait_until(self.log.elapsed() + 1.0),
+        )
+        waited = time.monotonic() - started
+        if behind:
+            self.log.event(f"consumers still behind after {waited:.0f}s: {behind}")
+        else:
+            self.log.event(f"consumers at the end of every partition after {waited:.1f}s")
+        codes = self.consumers.stop_all()
+        self.log.event(f"consumers stopped with SIGTERM, exit codes {codes}")
+        found, inbox = applied.audit_service(self.service_url, rows)
+        for what, ids in (("never applied", found.missing), ("applied twice", found.applied_twice)):
+            if ids:
+                self.echo(f"  {what}: {len(ids)}, e.g. {', '.join(map(str, ids[:5]))}")
+        for line in found.order[:20]:
+            self.echo(f"  applied order: {line}")
+        fleet = self.consumers
+        findings = ConsumingFindings(
+            consumers=fleet.count,
+            applied=found.applied,
+            missing=len(found.missing),
+            applied_twice=len(found.applied_twice),
+            not_committed=len(found.not_committed),
+            order_violations=len(found.order),
+            parked=inbox["parked"],
+            caught_up=not behind,
+            consumer_crashes=len(fleet.crashes),
+            unclean_stops=sum(1 for code in fleet.term_exits if code),
+        )
+        figures = {
+            "inbox_rows": inbox["inbox_rows"],
+            "duplicates_skipped": fleet.counted["duplicates_skipped"],
+            "processed": fleet.counted["processed"],
+            "catch_up_s": round(waited, 1),
+            "term_exit_codes": fleet.term_exits,
+        }
+        return findings, figures
 
     def _tear_down(self) -> None:
         for writer in self.writers:
             writer.stop()
-        if self.fleet is not None:
-            self.fleet.kill_all()
+        for fleet in self._fleets():
+            fleet.kill_all()
         self.stack.down(keep_files=self.settings.keep_data)
         self.log.event("servers stopped")

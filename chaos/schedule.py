@@ -15,11 +15,15 @@ RELAY_KILL = "relay_kill"  # kill -9 one relay, restart it after the hold
 RELAY_TERM = "relay_term"  # SIGTERM one relay (it drains), restart it after the hold
 BROKER_RESTART = "broker_restart"  # stop the Kafka broker (SIGTERM or kill -9), start it again
 POSTGRES_RESTART = "postgres_restart"  # stop PostgreSQL (fast, or immediate = crash), start it
-NET_LATENCY = "net_latency"  # relay <-> broker traffic delayed by ``latency_ms`` per chunk
-NET_DROP = "net_drop"  # every relay <-> broker connection reset; new ones refused for the hold
+# The network faults hit every connection of the relays and the consumers to the broker.
+NET_LATENCY = "net_latency"  # traffic delayed by ``latency_ms`` per chunk
+NET_DROP = "net_drop"  # every connection reset; new ones refused for the hold
 NET_STALL = "net_stall"  # connections stay open but no byte moves for the hold
+CONSUMER_KILL = "consumer_kill"  # kill -9 one inbox consumer, restart it after the hold
+CONSUMER_TERM = "consumer_term"  # SIGTERM one inbox consumer (it drains), restart it
 
-FAULT_KINDS = (
+#: Faults of the publishing side, played in every run.
+PUBLISHING_FAULTS = (
     RELAY_KILL,
     RELAY_TERM,
     BROKER_RESTART,
@@ -28,6 +32,9 @@ FAULT_KINDS = (
     NET_DROP,
     NET_STALL,
 )
+#: Faults of the consuming stage, played when the run has consumers.
+CONSUMING_FAULTS = (CONSUMER_KILL, CONSUMER_TERM)
+FAULT_KINDS = PUBLISHING_FAULTS + CONSUMING_FAULTS
 
 #: How long each kind of fault lasts, in seconds: (shortest, longest).
 HOLDS: dict[str, tuple[float, float]] = {
@@ -38,6 +45,8 @@ HOLDS: dict[str, tuple[float, float]] = {
     NET_LATENCY: (4.0, 12.0),
     NET_DROP: (1.0, 5.0),
     NET_STALL: (3.0, 15.0),
+    CONSUMER_KILL: (0.0, 4.0),
+    CONSUMER_TERM: (0.0, 4.0),
 }
 
 
@@ -52,6 +61,11 @@ class Profile:
     rate: float  # messages per second, all writers together
     writers: int = 3
     relays: int = 3
+    consumers: int = 3  # inbox consumers in one group; 0 leaves the consuming stage out
+
+    @property
+    def fault_kinds(self) -> tuple[str, ...]:
+        return FAULT_KINDS if self.consumers else PUBLISHING_FAULTS
 
 
 PROFILES = {
@@ -62,7 +76,7 @@ PROFILES = {
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: what, when (seconds after the writers start), on which relay, for how long."""
+    """One fault: what, when (seconds after the writers start), on which process, how long."""
 
     at: float
     kind: str
@@ -70,6 +84,7 @@ class Fault:
     relay: int | None = None  # for relay faults: its index
     how: str | None = None  # broker: "term" | "kill"; postgres: "fast" | "immediate"
     latency_ms: int | None = None
+    consumer: int | None = None  # for consumer faults: its index
 
     @property
     def heals_at(self) -> float:
@@ -79,6 +94,8 @@ class Fault:
         parts = [self.kind]
         if self.relay is not None:
             parts.append(f"relay-{self.relay}")
+        if self.consumer is not None:
+            parts.append(f"consumer-{self.consumer}")
         if self.how:
             parts.append(self.how)
         if self.latency_ms is not None:
@@ -92,10 +109,14 @@ class Fault:
 
 def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fault]:
     """The faults of one run: one of each kind first, then random kinds until ``duration``
-    (the profile's by default). Same ``seed`` and profile, same list."""
+    (the profile's by default). Same ``seed`` and profile, same list.
+
+    Without consumers the kinds are the publishing side's only, so such a profile plays the
+    schedule a seed gave before the consuming stage existed."""
     rng = random.Random(seed)
     end = profile.duration if duration is None else duration
-    first_round = list(FAULT_KINDS)
+    kinds = profile.fault_kinds
+    first_round = list(kinds)
     rng.shuffle(first_round)
     faults: list[Fault] = []
     at = rng.uniform(profile.min_gap, profile.max_gap)
@@ -103,7 +124,7 @@ def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fau
         faults.append(_draw(rng, kind, at, profile))
         at = faults[-1].heals_at + rng.uniform(profile.min_gap, profile.max_gap)
     while True:
-        fault = _draw(rng, rng.choice(FAULT_KINDS), at, profile)
+        fault = _draw(rng, rng.choice(kinds), at, profile)
         if fault.heals_at > end:
             return faults
         faults.append(fault)
@@ -116,6 +137,8 @@ def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
     at = round(at, 1)
     if kind in (RELAY_KILL, RELAY_TERM):
         return Fault(at, kind, hold, relay=rng.randrange(profile.relays))
+    if kind in CONSUMING_FAULTS:
+        return Fault(at, kind, hold, consumer=rng.randrange(profile.consumers))
     if kind == BROKER_RESTART:
         return Fault(at, kind, hold, how=rng.choice(("term", "kill")))
     if kind == POSTGRES_RESTART:

@@ -1,9 +1,11 @@
 """The chaos run's own servers: PostgreSQL, a Kafka broker with a second listener that the
-relays reach through the fault proxy, and the proxy itself.
+relays and the consumers reach through the fault proxy, and the proxy itself.
 
-The broker advertises the proxy's port on that listener, so every connection a relay's Kafka
-client makes (bootstrap and partition leaders alike) goes through the proxy. The harness itself
-(topic set-up, the audit) uses the broker's plain listener, untouched by network faults.
+The broker advertises the proxy's port on that listener, so every connection a relay's or a
+consumer's Kafka client makes (bootstrap, partition leaders and the group coordinator alike)
+goes through the proxy. The harness itself (topic set-up, the audit) uses the broker's plain
+listener, untouched by network faults. The consuming service's database lives on the same
+PostgreSQL cluster, so a database restart hits both services.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from outbox.devstack.procs import free_port
 from outbox.devstack.stack import LocalStack, StackInfo, stack_home
 
 DATABASE = "chaos"
+SERVICE_DATABASE = "chaos_service"  # the consuming service's
 
 
 def route_through_proxy(kafka: KafkaBroker, proxy: FaultProxy) -> None:
@@ -63,8 +66,8 @@ class ChaosStack:
         return self.local.run_dir
 
     @property
-    def relay_bootstrap(self) -> str:
-        """Where relays connect: the proxy."""
+    def proxied_bootstrap(self) -> str:
+        """Where relays and consumers connect: the proxy."""
         return f"127.0.0.1:{self.proxy.listen_port}"
 
     @property
@@ -76,6 +79,11 @@ class ChaosStack:
     def database_url(self) -> str:
         assert self.info is not None, "the stack is not up"
         return self.info.database_url
+
+    def service_database_url(self) -> str:
+        """The consuming service's database, created when missing."""
+        self.local.ensure_database(SERVICE_DATABASE)
+        return self.postgres.url(SERVICE_DATABASE)
 
     def up(self) -> StackInfo:
         self.proxy.start()

@@ -14,6 +14,36 @@ ALWAYS_ZERO = (d.PHANTOM, d.PAYLOAD_MISMATCH, d.MISROUTED, d.OFFSET_MISMATCH)
 
 
 @dataclass(frozen=True)
+class ConsumingFindings:
+    """What the consuming stage's audit found: the service's applications of the messages."""
+
+    consumers: int
+    applied: int  # rows of the effect table: one per application
+    missing: int = 0  # committed messages never applied
+    applied_twice: int = 0  # messages applied more than once
+    not_committed: int = 0  # applied, yet no committed outbox row
+    order_violations: int = 0  # per topic and key, applied out of the writers' order
+    parked: int = 0  # messages the consumers gave up on
+    caught_up: bool = True  # the group's offsets reached the topics' ends in time
+    consumer_crashes: int = 0  # consumers that exited without being told to
+    unclean_stops: int = 0  # consumers that did not exit 0 after SIGTERM
+
+    def violations(self) -> list[str]:
+        found = _counted(
+            (self.missing, "committed messages never applied by the consumers"),
+            (self.applied_twice, "messages applied more than once"),
+            (self.not_committed, "applied messages that were never committed"),
+            (self.order_violations, "per-key order violations on the applied side"),
+            (self.parked, "messages parked by the consumers"),
+            (self.consumer_crashes, "consumer exits nobody asked for"),
+            (self.unclean_stops, "consumers that did not exit 0 after SIGTERM"),
+        )
+        if not self.caught_up:
+            found.append("the consumers did not reach the end of the topics in time")
+        return found
+
+
+@dataclass(frozen=True)
 class Findings:
     """Everything the audit found after a run drained."""
 
@@ -27,6 +57,7 @@ class Findings:
     relay_crashes: int = 0  # relays that exited without being told to
     unclean_stops: int = 0  # relays that did not exit 0 after SIGTERM
     writer_failures: list[str] = field(default_factory=list)
+    consuming: ConsumingFindings | None = None  # None: the run had no consuming stage
 
     @property
     def missing(self) -> int:
@@ -51,7 +82,7 @@ class Findings:
                 found.append(f"{count} {name.replace('_', ' ')}")
         if self.mode == EXACTLY_ONCE and self.duplicates:
             found.append(f"{self.duplicates} duplicates in exactly-once mode")
-        checks = (
+        found += _counted(
             (self.order_violations, "per-key order violations"),
             (self.rolled_back_in_table, "rolled-back messages in the outbox table"),
             (self.rolled_back_on_topic, "rolled-back messages on a topic"),
@@ -60,10 +91,16 @@ class Findings:
             (self.relay_crashes, "relay exits nobody asked for"),
             (self.unclean_stops, "relays that did not exit 0 after SIGTERM"),
         )
-        found += [f"{count} {what}" for count, what in checks if count]
         found += [f"writer failed: {failure}" for failure in self.writer_failures]
+        if self.consuming is not None:
+            found += self.consuming.violations()
         return found
 
     @property
     def verdict(self) -> str:
         return "FAIL" if self.violations() else "PASS"
+
+
+def _counted(*checks: tuple[int, str]) -> list[str]:
+    """``"<count> <what>"`` for each check whose count is not zero."""
+    return [f"{count} {what}" for count, what in checks if count]

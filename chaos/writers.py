@@ -21,6 +21,9 @@ from sqlalchemy import exc as sa_exc
 from outbox import Message, Outbox
 from outbox.ids import uuid7
 
+#: The topics the writers publish to (and the consuming service reads).
+TOPICS = ("chaos.orders", "chaos.payments")
+PARTITIONS = 3
 BUSINESS_TABLE = "chaos_orders"
 ROLLBACK_SHARE = 0.1
 KEYS_PER_WRITER = 16

@@ -137,6 +137,54 @@ def table_spec(schema: str, table: str) -> OutboxTableSpec:
         raise click.BadParameter(str(exc)) from exc
 
 
+#: SQLSTATEs of a server that is there but not accepting connections yet (or now): shutting
+#: down, crashed, starting up, too many connections. A refused or timed-out connection has none.
+_NOT_YET = frozenset({"57P01", "57P02", "57P03", "53300", "08001", "08006"})
+
+
+def database_not_ready(error: BaseException) -> bool:
+    """Whether ``error`` says the database is not reachable *yet* (worth waiting for), as
+    opposed to a wrong password, a missing database or table, or missing privileges."""
+    from sqlalchemy.exc import OperationalError
+
+    if not isinstance(error, OperationalError):
+        return False
+    return getattr(error.orig, "sqlstate", None) in _NOT_YET | {None}
+
+
+def waiting_for_database(
+    step: Callable[[], T],
+    timeout: float,
+    stop: Callable[[float], bool],
+    warn: Callable[[str], None],
+) -> Callable[[], T | None]:
+    """``step``, tried again while the database is not ready, for up to ``timeout`` seconds.
+
+    ``stop(seconds)`` waits between tries and returns True when a stop was asked for (the
+    step then returns None); ``warn`` reports each wait. Any other failure, or the last one,
+    is raised at once.
+    """
+    import time
+
+    def waiting() -> T | None:
+        deadline = time.monotonic() + timeout
+        pause = 0.5
+        while True:
+            try:
+                return step()
+            except Exception as exc:
+                left = deadline - time.monotonic()
+                if not database_not_ready(exc) or left <= 0:
+                    raise
+                reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                warn(f"database not ready ({mask_secrets(reason)}); trying again in {pause:.1f}s")
+                if stop(min(pause, left)):
+                    return None
+                pause = min(10.0, pause * 2)
+
+    return waiting
+
+
 def run_db_step(step: Callable[[], T]) -> T:
     """Run a database operation; a failure becomes one clear line, not a traceback."""
     from sqlalchemy.exc import SQLAlchemyError

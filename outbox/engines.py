@@ -11,7 +11,6 @@ def sender_engine(
     *,
     nested_loops: bool = True,
     durable: bool = True,
-    pre_ping: bool = True,
 ) -> sa.Engine:
     """An engine for the relay's and the immediate sender's batch queries.
 
@@ -26,24 +25,22 @@ def sender_engine(
     ``nested_loops=False`` makes an engine for the marking statements: see
     :func:`hash_joins_only`, here for every statement of the session.
 
-    ``durable=False`` (the relay's leases only) lets commits skip the wait for the WAL flush. A
-    lease that a database crash forgets only frees its row, and the row's next mark, a
-    durable commit, flushes every earlier lease with it. Marks must stay durable: exactly-once
+    ``durable=False`` lets commits skip the wait for the WAL flush: the relay's engine, which
+    commits nothing a crash may not forget (its marks run on its own session, see
+    ``RelayConfig.marks_wait_for_flush``). The marking engines stay durable: exactly-once
     recovery can restore only a shard's last batch from Kafka's progress records, and a
     forgotten mark of any earlier batch would send its rows again.
 
-    ``pre_ping=False`` saves a round trip per checkout where a dead connection costs nothing:
-    a lease that fails on one has not sent anything, and SQLAlchemy then drops the pool's
-    other stale connections. Marks keep the ping, so that a database restart between lease
-    and mark does not turn an acknowledged batch into one sent again.
+    Every checkout pings the connection first: after a database restart, a stale pooled
+    connection is replaced rather than failing the statement.
     """
     options = "-c plan_cache_mode=force_custom_plan -c jit=off"
     if not nested_loops:
         options += " -c enable_nestloop=off"
-    if not durable:
-        options += " -c synchronous_commit=off"
+    # Set either way: a database or role default of "off" must not make marks forgettable.
+    options += " -c synchronous_commit=" + ("on" if durable else "off")
     return sa.create_engine(
-        url, pool_size=pool_size, pool_pre_ping=pre_ping, connect_args={"options": options}
+        url, pool_size=pool_size, pool_pre_ping=True, connect_args={"options": options}
     )
 
 

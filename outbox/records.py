@@ -44,29 +44,60 @@ class OutboxRecord:
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> OutboxRecord:
         """Build from a result row; raises ValueError for a row whose headers do not decode."""
-        names: Sequence[str] | None = row.get("header_names")
-        values: Sequence[bytes | None] | None = row.get("header_values")
-        if (names is None) != (values is None) or (names and len(names) != len(values or ())):
+        return cls.from_columns(
+            row["id"],
+            row["seq"],
+            row["shard"],
+            row["topic"],
+            row.get("key"),
+            row.get("value"),
+            row.get("content_type"),
+            row.get("header_names"),
+            row.get("header_values"),
+            row.get("generation"),
+            row.get("id_text"),
+        )
+
+    @classmethod
+    def from_columns(
+        cls,
+        message_id: uuid.UUID,
+        seq: int,
+        shard: int,
+        topic: str,
+        key: object,
+        value: object,
+        content_type: object,
+        names: Sequence[str] | None,
+        values: Sequence[bytes | None] | None,
+        generation: int | None,
+        id_text: str | None = None,
+    ) -> OutboxRecord:
+        """Build from the row's columns (``id_text``: the id as text, when the query gave it);
+        raises ValueError for a row whose headers do not decode."""
+        if (names is None) != (values is None) or len(names or ()) != len(values or ()):
             raise ValueError("header_names and header_values differ in length")
-        headers: list[tuple[str, bytes | None]] = [(ID_HEADER, str(row["id"]).encode())]
-        content_type = row.get("content_type")
+        headers: list[tuple[str, bytes | None]] = [
+            (ID_HEADER, (id_text or str(message_id)).encode())
+        ]
         if content_type is not None:
             if not isinstance(content_type, str):
                 raise ValueError("content_type is not text")
             headers.append((CONTENT_TYPE_HEADER, content_type.encode()))
-        for name, value in zip(names or (), values or (), strict=True):
-            if not isinstance(name, str) or not (value is None or isinstance(value, bytes)):
-                raise ValueError(f"header {name!r} is not (str, bytes)")
-            headers.append((name, value))
+        if names:
+            for name, header in zip(names, values or (), strict=True):
+                if not isinstance(name, str) or not (header is None or isinstance(header, bytes)):
+                    raise ValueError(f"header {name!r} is not (str, bytes)")
+                headers.append((name, header))
         return cls(
-            id=row["id"],
-            seq=row["seq"],
-            shard=row["shard"],
-            topic=row["topic"],
-            key=_as_bytes(row.get("key")),
-            value=_as_bytes(row.get("value")),
+            id=message_id,
+            seq=seq,
+            shard=shard,
+            topic=topic,
+            key=key if key is None or type(key) is bytes else _as_bytes(key),
+            value=value if value is None or type(value) is bytes else _as_bytes(value),
             headers=headers,
-            generation=int(row.get("generation") or 0),
+            generation=int(generation or 0),
         )
 
 

@@ -4,7 +4,7 @@ each outcome: one implementation for both."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,6 +44,48 @@ class Failure:
     delay: float | None
 
 
+#: The columns of ``read_batch``, in order: :func:`pending_row_of` decodes its plain tuples.
+READ_COLUMNS = (
+    "id",
+    "seq",
+    "shard",
+    "topic",
+    "key",
+    "value",
+    "content_type",
+    "header_names",
+    "header_values",
+    "attempts",
+    "created_at",
+    "generation",
+    "id_text",
+)
+
+
+def pending_row_of(values: Sequence[Any]) -> PendingRow:
+    """Decode a ``read_batch`` row as a plain tuple (cheaper than a mapping per row)."""
+    (message_id, seq, shard, topic, key, value, content_type) = values[:7]
+    (names, header_values, attempts, created_at, generation, id_text) = values[7:]
+    try:
+        record: OutboxRecord | None = OutboxRecord.from_columns(
+            message_id,
+            seq,
+            shard,
+            topic,
+            key,
+            value,
+            content_type,
+            names,
+            header_values,
+            generation,
+            id_text,
+        )
+        problem = None
+    except (ValueError, TypeError, UnicodeError) as error:
+        record, problem = None, f"{UNDECODABLE}: {error}"
+    return PendingRow(message_id, shard, attempts, created_at, record, problem)
+
+
 def pending_row(row: Any) -> PendingRow:
     """Decode a result row; a row that does not make a Kafka record carries the reason."""
     try:
@@ -59,6 +101,15 @@ def pending_row(row: Any) -> PendingRow:
         record=record,
         problem=problem,
     )
+
+
+def array_literal(values: Iterable[uuid.UUID | int]) -> str:
+    """An array of ids or numbers as one PostgreSQL array literal, for ``CAST(:p AS t[])``.
+
+    A Python list is adapted element by element in Python; a batch's marks are its largest
+    parameters, and one string is several times cheaper to build and send.
+    """
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 class OutboxRows:
@@ -116,16 +167,16 @@ class OutboxRows:
         dead = [f for f in failures if f.delay is None]
         statements: list[tuple[str, dict[str, Any]]] = []
         if acks and self.delete_on_send:
-            statements.append(("delete_sent", {"ids": [a.id for a in acks]}))
+            statements.append(("delete_sent", {"ids": array_literal(a.id for a in acks)}))
         elif acks:
             statements.append(
                 (
                     "mark_sent",
                     {
-                        "ids": [a.id for a in acks],
-                        "partitions": [a.partition for a in acks],
-                        "offsets": [a.offset for a in acks],
-                        "generations": [a.generation for a in acks],
+                        "ids": array_literal(a.id for a in acks),
+                        "partitions": array_literal(a.partition for a in acks),
+                        "offsets": array_literal(a.offset for a in acks),
+                        "generations": array_literal(a.generation for a in acks),
                     },
                 )
             )

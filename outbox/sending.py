@@ -178,6 +178,8 @@ def order_gaps(
 
     Empty whenever the rules above hold; anything else means a key's order broke on its topic.
     """
+    if not result.errors:
+        return []
     acked = {ack.id for ack in result.acks}
     failed_keys: set[tuple[str, bytes]] = set()
     gaps: list[uuid.UUID] = []

@@ -6,6 +6,7 @@ the Prometheus client load when the command runs.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from outbox.cli_options import (
     parse_key_values,
     run_db_step,
     table_spec,
+    waiting_for_database,
 )
 from outbox.errors import OutboxError
 from outbox.redaction import mask_secrets
@@ -115,12 +117,30 @@ from outbox.redaction import mask_secrets
     help="Keep nothing: delete rows once Kafka acknowledged them, instead of marking them sent.",
 )
 @click.option(
+    "--durable-marks",
+    is_flag=True,
+    envvar="OUTBOX_RELAY_DURABLE_MARKS",
+    show_envvar=True,
+    help="At-least-once: wait for the disk flush of every mark, so that a database crash "
+    "sends no acknowledged row again (exactly-once marks always wait).",
+)
+@click.option(
     "--shutdown-timeout",
     default=30.0,
     show_default=True,
     envvar="OUTBOX_RELAY_SHUTDOWN_TIMEOUT",
     show_envvar=True,
     help="Seconds a SIGTERM may wait for the batch in hand.",
+)
+@click.option(
+    "--start-timeout",
+    default=60.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_START_TIMEOUT",
+    show_envvar=True,
+    help="Seconds to wait at start for a database that does not accept connections yet "
+    "(starting or restarting); a wrong password, a missing table or missing privileges "
+    "fail at once.",
 )
 @LOG_LEVEL
 def relay(
@@ -142,7 +162,9 @@ def relay(
     transactional_id_prefix: str | None,
     progress_topic: str | None,
     delete_on_send: bool,
+    durable_marks: bool,
     shutdown_timeout: float,
+    start_timeout: float,
     log_level: str,
 ) -> None:
     """Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT)."""
@@ -155,7 +177,7 @@ def relay(
         signal.signal(sig, lambda *_: stop_early.set())
 
     from outbox.relay.config import RelayConfig, kafka_config_from_env
-    from outbox.relay.daemon import Relay
+    from outbox.relay.daemon import Relay, tune_garbage_collector
     from outbox.relay.observability import configure_logging
     from outbox.relay.policy import RetryPolicy
 
@@ -181,22 +203,33 @@ def relay(
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             delete_on_send=delete_on_send,
+            durable_marks=durable_marks,
             shutdown_timeout=shutdown_timeout,
         )
-        run_db_step(_check_relay_access(config))
+        started = run_db_step(
+            waiting_for_database(
+                _check_relay_access(config),
+                start_timeout,
+                stop=stop_early.wait,
+                warn=logging.getLogger("outbox.relay").warning,
+            )
+        )
     except (OutboxError, ValueError) as exc:
         raise click.ClickException(mask_secrets(str(exc))) from exc
+    if started is None:  # stopped while it waited for the database
+        sys.exit(0)
     daemon = Relay(config)
     daemon.install_signal_handlers()
+    tune_garbage_collector()
     if stop_early.is_set():
         daemon.stop()
     sys.exit(daemon.run())
 
 
-def _check_relay_access(config: object) -> Callable[[], None]:
+def _check_relay_access(config: object) -> Callable[[], bool]:
     """Fail fast, in one line, when the database or the table is out of reach."""
 
-    def check() -> None:
+    def check() -> bool:
         import sqlalchemy as sa
 
         from outbox.relay.config import RelayConfig
@@ -236,5 +269,6 @@ def _check_relay_access(config: object) -> Callable[[], None]:
             raise OutboxError(
                 f"table {spec.qualified_name} is older than this relay: run `outbox db upgrade`"
             )
+        return True
 
     return check

@@ -61,6 +61,8 @@ class RelayConfig:
     metrics_host: str = "127.0.0.1"
     shutdown_timeout: float = 30.0
     delete_on_send: bool = False
+    #: At-least-once marks wait for the WAL flush too (exactly-once marks always do).
+    durable_marks: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in (AT_LEAST_ONCE, EXACTLY_ONCE):
@@ -85,6 +87,18 @@ class RelayConfig:
     @property
     def exactly_once(self) -> bool:
         return self.mode == EXACTLY_ONCE
+
+    @property
+    def marks_wait_for_flush(self) -> bool:
+        """Whether marking a batch sent waits for PostgreSQL to flush it to disk.
+
+        Exactly-once: always, because recovery restores only a shard's last batch from Kafka,
+        and a forgotten mark of any earlier one would send its rows again. At-least-once:
+        only with ``durable_marks``. Otherwise a database crash may forget the marks of its
+        last moments (the WAL writer flushes them within a fraction of a second): those rows
+        go again, duplicates that at-least-once allows, and the loop never waits for a disk.
+        """
+        return self.exactly_once or self.durable_marks
 
     @property
     def transactional_prefix(self) -> str:

@@ -61,16 +61,21 @@ class ShardOwnership:
         return max(1, int(row[0]) if row else 1)
 
     def rebalance(
-        self, can_serve: Callable[[], bool] = lambda: True
+        self,
+        can_serve: Callable[[], bool] = lambda: True,
+        before_letting_go: Callable[[], None] = lambda: None,
     ) -> tuple[list[int], list[int]]:
         """Let go of shards above this relay's share, lock free ones below it.
 
         ``can_serve`` is asked before locking any: a relay that cannot publish right now
-        (Kafka out of its reach) takes nothing from relays that can.
-        Returns (gained, lost). Call it only between batches: a lost shard must have no
-        batch in flight.
+        (Kafka out of its reach) takes nothing from relays that can. ``before_letting_go``
+        runs before any shard is unlocked: a lost shard must have no batch in flight, so the
+        relay finishes its batches there (and only when it has shards to give up).
+        Returns (gained, lost).
         """
         target = math.ceil(self.shard_count / self.members())
+        if len(self.owned) > target:
+            before_letting_go()
         lost: list[int] = []
         while len(self.owned) > target:
             shard = max(self.owned)

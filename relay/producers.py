@@ -214,7 +214,8 @@ class ExactlyOncePublisher:
 
     def serve_events(self) -> None:
         self._consumer.poll(0)  # assigned to nothing between take-overs: only events
-        for producer in self.producers.values():
+        # A copy: a transaction thread drops the producer of a shard it lost meanwhile.
+        for producer in list(self.producers.values()):
             producer.poll(0)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
@@ -253,7 +254,12 @@ class ExactlyOncePublisher:
         for record in records:
             by_shard.setdefault(record.shard, []).append(record)
         flights = [
-            ShardFlight(batch, self._pool.submit(self._one_shard, shard, batch))
+            # The producer is picked now: a batch that waits for a thread must not use the
+            # producer of a later take-over of its shard.
+            ShardFlight(
+                batch,
+                self._pool.submit(self._one_shard, shard, batch, self.producers.get(shard)),
+            )
             for shard, batch in by_shard.items()
         ]
         self._flights.extend(flights)
@@ -267,9 +273,14 @@ class ExactlyOncePublisher:
         if not self._flights:
             return []
         futures.wait([f.future for f in self._flights], timeout, futures.FIRST_COMPLETED)
-        ended = [f for f in self._flights if f.done()]
-        self._flights = [f for f in self._flights if not f.done()]
-        return list(ended)
+        # One look per flight: one that ended between two looks would be in neither list,
+        # and its shards would stay busy for good.
+        ended: list[InFlight] = []
+        running: list[ShardFlight] = []
+        for flight in self._flights:
+            (ended if flight.done() else running).append(flight)
+        self._flights = running
+        return ended
 
     @property
     def in_flight(self) -> int:
@@ -278,10 +289,11 @@ class ExactlyOncePublisher:
     def stop_sending(self) -> None:
         """Nothing to do: a take-over fences this relay's transactional producers."""
 
-    def _one_shard(self, shard: int, records: list[OutboxRecord]) -> BatchResult:
+    def _one_shard(
+        self, shard: int, records: list[OutboxRecord], producer: Producer | None
+    ) -> BatchResult:
         """One Kafka transaction: the records and the shard's progress record, or nothing."""
         result = BatchResult()
-        producer = self.producers.get(shard)
         if producer is None:
             result.not_attempted.extend(r.id for r in records)
             return result

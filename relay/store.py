@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import dict_row
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from outbox.rows import Failure, OutboxRows, PendingRow, pending_row
+from outbox.rows import READ_COLUMNS, Failure, OutboxRows, PendingRow, pending_row, pending_row_of
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
@@ -50,9 +49,11 @@ class RelayStore(OutboxRows):
         window = per_shard or max(100, 2 * batch_size // len(shards))
         params = {"shards": list(shards), "window": window, "batch_size": batch_size}
         if owner_connection is not None:
-            with owner_connection.cursor(row_factory=dict_row) as cursor:
+            with owner_connection.cursor() as cursor:
                 cursor.execute(self._read_batch_sql, params)
-                return [pending_row(row) for row in cursor.fetchall()]
+                assert cursor.description is not None
+                assert tuple(c.name for c in cursor.description) == READ_COLUMNS
+                return [pending_row_of(row) for row in cursor.fetchall()]
         with self.autocommit(self.engine) as conn:
             rows = conn.execute(self.queries["read_batch"], params).mappings()
             return [pending_row(row) for row in rows]
@@ -66,17 +67,22 @@ class RelayStore(OutboxRows):
     ) -> None:
         """Record what Kafka said, on ``owner_connection`` when given: the session that holds
         the rows' shards, so that a relay which lost them (and its session) records nothing
-        over what their next owner does."""
+        over what their next owner does.
+
+        Failures always wait for the disk flush, also where the session's acknowledgements
+        do not (see ``RelayConfig.marks_wait_for_flush``): a forgotten dead or retry mark
+        would send a message again after later messages of its key went."""
         if owner_connection is None:
             super().record_outcome(acks, failures, released)
             return
         assert not released, "the relay leases nothing to release"
         statements = self._outcome_statements(acks, failures)
-        if len(statements) == 1:  # the usual batch, all sent: one round trip in autocommit
+        if len(statements) == 1 and not failures:  # the usual batch: one autocommit round trip
             name, params = statements[0]
             owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
             return
         with owner_connection.pipeline(), owner_connection.transaction():
+            owner_connection.execute("SET LOCAL synchronous_commit = on")
             for name, params in statements:  # sent together: one round trip
                 owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
 

@@ -168,8 +168,9 @@ blockers AS (
       FROM window_rows
      WHERE key IS NOT NULL AND lease_until > now()
      GROUP BY topic, key)
+-- (Columns in the order of outbox.rows.READ_COLUMNS; the id also as text, for its header.)
 SELECT w.id, w.seq, w.shard, w.topic, w.key, w.value, w.content_type, w.header_names,
-       w.header_values, w.attempts, w.created_at, w.generation
+       w.header_values, w.attempts, w.created_at, w.generation, CAST(w.id AS text) AS id_text
   FROM window_rows AS w
   LEFT JOIN blockers AS b ON b.topic = w.topic AND b.key = w.key
  WHERE (w.lease_until IS NULL OR w.lease_until <= now())

@@ -1,8 +1,9 @@
-"""`outbox chaos`, short profile, in both delivery modes: the CI's proof under fire.
+"""`outbox chaos`, short profile, in both delivery modes: the CI's proof under fire, from the
+writers' commits to the consuming service's applications through the inbox.
 
 Each run starts its own PostgreSQL and Kafka (the faults restart them), so it does not use the
-session's stack. Seed 7 is the schedule that first caught two relay crashes in exactly-once
-mode; any seed must pass.
+session's stack. Seed 7 is the seed that first caught two relay crashes in exactly-once mode
+(`--consumers 0` still plays that schedule); any seed must pass.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
         assert result["topic_records"] == result["messages_committed"]
     assert result["statuses"] == {"sent": result["messages_committed"]}
 
+    # The consuming stage: each committed message applied once, per key in order, through
+    # consumer kill -9 and SIGTERM.
+    consuming = result["consuming"]
+    assert consuming["consumers"] == PROFILES["short"].consumers
+    assert consuming["applied"] == consuming["inbox_rows"] == result["messages_committed"]
+    assert consuming["missing"] == consuming["applied_twice"] == 0
+    assert consuming["not_committed"] == consuming["order_violations"] == 0
+    assert consuming["parked"] == 0 and consuming["caught_up"]
+    assert consuming["consumer_crashes"] == 0 and set(consuming["term_exit_codes"]) == {0}
+    assert {"consumer_kill", "consumer_term"} <= set(result["faults_by_kind"])
+
     # The seed's schedule was played in full, every kind of fault, each logged with its time.
     assert set(result["faults_by_kind"]) == set(FAULT_KINDS)
     events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
@@ -65,6 +77,7 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
     assert summary["discrepancies"]["missing"] == 0
     for index in range(3):
         assert (tmp_path / f"relay-{index}.log").stat().st_size > 0
+        assert (tmp_path / f"consumer-{index}.log").stat().st_size > 0
 
 
 def test_the_audit_sees_a_broken_atomicity_and_a_reordered_key(
@@ -144,13 +157,13 @@ def test_sigterm_stops_the_runs_servers_and_relays(tmp_path: Path) -> None:
         try:
             assert run.stdout is not None
             for line in run.stdout:
-                if "relays and writers starting" in line:
+                if "writers starting" in line:
                     break
             else:
                 pytest.fail("the run ended before its servers were up")
             time.sleep(5)  # relays and writers at work
             started = processes_of_run(run.pid)
-            assert len(started) >= 5  # PostgreSQL, Kafka and three relays at least
+            assert len(started) >= 8  # PostgreSQL, Kafka, three relays and three consumers
             run.send_signal(signal.SIGTERM)
             run.communicate(timeout=120)  # reads what is left, so the run never blocks on it
             assert run.returncode == 130
@@ -163,3 +176,61 @@ def test_sigterm_stops_the_runs_servers_and_relays(tmp_path: Path) -> None:
         time.sleep(0.5)
     left = sorted(p for p in started if alive(p))
     assert not left, f"processes left running: {left}"
+
+
+def test_the_consuming_audit_sees_a_missing_a_double_and_a_reordered_application(
+    database_url: str,
+) -> None:
+    """The service's handler applied by hand, as a broken inbox would: once too often and out
+    of order. Read back from the real tables, the audit finds each fault."""
+    import uuid
+
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session
+
+    from outbox.chaos import applied, service
+    from outbox.chaos.audit import RowFacts
+    from outbox.inbox import InboxMessage
+
+    service.prepare_database(database_url)
+    ids = [uuid.uuid4() for _ in range(4)]
+    rows = {i: RowFacts(seq, "chaos.orders", b"w0-k1") for seq, i in enumerate(ids, start=1)}
+
+    def message(index: int) -> InboxMessage:
+        value = {"writer": 0, "key": "w0-k1", "n": index}
+        return InboxMessage(str(ids[index]), "chaos.orders", b"w0-k1", value, (), 0, index)
+
+    engine = sa.create_engine(database_url)
+    try:
+        with Session(engine) as session, session.begin():
+            for index in (0, 2, 1, 2):  # 2 overtakes 1, and is applied twice; 3 never
+                service.apply(message(index), session)
+        found = applied.audit_applied(applied.read_applications(engine), rows)
+        assert applied.inbox_figures(engine) == {"inbox_rows": 0, "parked": 0}
+    finally:
+        engine.dispose()
+    assert found.applied == 4
+    assert found.missing == [ids[3]] and found.applied_twice == [ids[2]]
+    assert found.not_committed == []
+    assert len(found.order) == 1 and str(ids[1]) in found.order[0]
+
+
+def test_the_catch_up_check_waits_for_the_groups_committed_offsets(
+    bootstrap_servers: str, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    from confluent_kafka import Consumer, TopicPartition
+
+    from outbox.chaos.consumers import lagging
+    from outbox.chaos.service import GROUP
+
+    topic = make_topic("lag")
+    ends = {(topic, 0): 3}
+    assert lagging(bootstrap_servers, ends) == {(topic, 0): 3}  # the group never committed
+    committer = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": GROUP})
+    try:
+        committer.commit(offsets=[TopicPartition(topic, 0, 2)], asynchronous=False)
+        assert lagging(bootstrap_servers, ends) == {(topic, 0): 1}
+        committer.commit(offsets=[TopicPartition(topic, 0, 3)], asynchronous=False)
+        assert lagging(bootstrap_servers, ends) == {}
+    finally:
+        committer.close()

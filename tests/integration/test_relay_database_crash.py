@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from outbox import Message, Outbox
 from outbox.devstack.postgres import PostgresServer, _processes_in
+from outbox.devstack.procs import pid_alive, wait_until
 from outbox.devstack.topics import consume_messages
 from outbox.relay.config import EXACTLY_ONCE
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
@@ -56,6 +57,9 @@ def crash(server: PostgresServer) -> None:
     for child in _processes_in(server.data_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+    # A killed process lives on until the kernel has run its exit; a start before that would
+    # find the postmaster "running" and do nothing.
+    wait_until(lambda: not pid_alive(pid), 30, "the killed postmaster to exit")
 
 
 def test_a_database_restart_sends_no_acknowledged_batch_again(
@@ -124,3 +128,75 @@ def test_exactly_once_sends_nothing_twice_after_a_database_crash(
     total, dups = duplicates(bootstrap_servers, topic, 200)
     assert total - dups == 200
     assert dups == 0, f"exactly-once: {dups} duplicates after a PostgreSQL crash"
+
+
+def test_a_crash_forgets_no_dead_mark_so_no_message_goes_after_a_later_one_of_its_key(
+    postgres_server: PostgresServer, outbox_url: str, engine: sa.Engine
+) -> None:
+    """At-least-once marks of sent rows do not wait for the disk; failures do. m1 and m2 share
+    a key; m1 dies (dead rows do not hold their key back) and m2 is sent. Had the dead mark
+    been forgotten in a crash, m1 would be pending again and, Kafka well again, go after m2.
+    Sent marks that a crash forgets only send their rows again."""
+    from outbox.relay.daemon import Relay
+    from tests.integration.test_relay_loop import StubPublisher, config, looping, publish
+
+    stub = StubPublisher(latency=0.01)
+    first: list[uuid.UUID] = []
+    kafka_refuses_m1 = True
+    stub.decide = lambda record: (
+        "dead" if kafka_refuses_m1 and first and record.id == first[0] else "ack"
+    )
+    stopped = aux_pids(postgres_server)  # WAL not flushed by a commit stays in memory
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with looping(Relay(config(outbox_url), publisher=stub)):
+            first.extend(publish(engine, 2, keys=1))  # m1, m2: one key, one transaction
+            wait_for(lambda: statuses(engine) == {"sent": 1, "dead": 1}, 30, "m1 dead, m2 sent")
+            others = publish(engine, 20, keys=20)  # marked sent without waiting for the disk
+            wait_for(lambda: statuses(engine).get("sent") == 21, 30, "the others sent")
+            kafka_refuses_m1 = False
+            crash(postgres_server)
+            postgres_server.start()
+            engine.dispose()
+            wait_for(lambda: "pending" not in statuses(engine), 60, "nothing pending")
+            assert statuses(engine) == {"sent": 21, "dead": 1}
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    delivered = [record.id for record in stub.acked]
+    assert first[0] not in delivered, "the dead message was sent after a later one of its key"
+    assert set(others) <= set(delivered)
+
+
+def test_a_relay_started_while_the_database_is_down_waits_for_it(
+    postgres_server: PostgresServer,
+    outbox_url: str,
+    engine: sa.Engine,
+    bootstrap_servers: str,
+    make_topic,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A supervisor may restart a relay while PostgreSQL restarts too: the relay waits (up to
+    --start-timeout) instead of exiting, then serves; a SIGTERM meanwhile exits 0."""
+    from tests.relay_helpers import start_relay_process, stop_process
+
+    topic = make_topic("late-db")
+    publish_one_key(engine, topic, 5)
+    engine.dispose()
+    log = tmp_path / "relay.log"
+    postgres_server.stop("fast")
+    try:
+        relay = start_relay_process(outbox_url, bootstrap_servers, log=log, ready=False)
+        stopped_early = start_relay_process(outbox_url, bootstrap_servers, ready=False)
+        time.sleep(4)
+        assert relay.poll() is None and stopped_early.poll() is None, log.read_text()
+        assert stop_process(stopped_early) == 0  # stopped while it waited: nothing to undo
+    finally:
+        postgres_server.start()
+    try:
+        wait_for(lambda: statuses(engine).get("sent") == 5, 60, "the rows sent")
+    finally:
+        assert stop_process(relay) == 0
+    assert "database not ready" in log.read_text()

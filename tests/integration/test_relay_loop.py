@@ -289,3 +289,26 @@ def test_a_batch_refused_by_the_producer_itself_is_recorded_and_its_shard_goes_o
     with engine.connect() as conn:
         kind = conn.execute(sa.text("SELECT error_kind FROM outbox WHERE id = :id"), {"id": big})
         assert kind.scalar_one() == "message_too_large"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [({}, "off"), ({"durable_marks": True}, "on"), ({"mode": "exactly-once"}, "on")],
+)
+def test_marks_wait_for_the_disk_flush_only_where_a_forgotten_mark_would_duplicate(  # type: ignore[no-untyped-def]
+    engine, outbox_url, overrides, setting
+) -> None:
+    with engine.connect() as conn:  # a database default must not decide it
+        database = conn.execute(sa.text("SELECT current_database()")).scalar_one()
+        conn.execute(sa.text(f'ALTER DATABASE "{database}" SET synchronous_commit = off'))
+        conn.commit()
+    publish(engine, 10, keys=5)
+    relay = Relay(config(outbox_url, **overrides), publisher=StubPublisher(latency=0.01))
+    with looping(relay):
+        wait_for(lambda: statuses(engine) == {"sent": 10})
+        assert relay._conn is not None
+        row = relay._conn.execute("SHOW synchronous_commit").fetchone()
+        with relay.store.marking_engine.connect() as conn:  # exactly-once recovery marks here
+            marking = conn.execute(sa.text("SHOW synchronous_commit")).scalar_one()
+    assert row == (setting,)
+    assert marking == "on"

@@ -1,15 +1,28 @@
-"""The chaos run's pure parts: the seeded schedule, the per-key order check and the verdict."""
+"""The chaos run's pure parts: the seeded schedule, the per-key order checks, the consuming
+side's audit and the verdict."""
 
 from __future__ import annotations
 
 import itertools
 import uuid
+from dataclasses import replace
+from typing import Any
 
 import pytest
 
-from outbox.chaos.audit import RowFacts, TopicRecord, order_violations
-from outbox.chaos.schedule import FAULT_KINDS, HOLDS, PROFILES, Fault, plan
-from outbox.chaos.verdict import Findings
+from outbox.chaos.applied import Application, audit_applied
+from outbox.chaos.audit import RowFacts, TopicRecord, order_violations, partition_ends
+from outbox.chaos.consumers import counters
+from outbox.chaos.schedule import (
+    CONSUMING_FAULTS,
+    FAULT_KINDS,
+    HOLDS,
+    PROFILES,
+    PUBLISHING_FAULTS,
+    Fault,
+    plan,
+)
+from outbox.chaos.verdict import ConsumingFindings, Findings
 from outbox.spark_jobs import discrepancies as d
 
 SHORT = PROFILES["short"]
@@ -31,8 +44,24 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
         assert low <= fault.hold <= high
         if fault.relay is not None:
             assert 0 <= fault.relay < SHORT.relays
+        if fault.consumer is not None:
+            assert fault.kind in CONSUMING_FAULTS and 0 <= fault.consumer < SHORT.consumers
     beyond_first_round = faults[len(FAULT_KINDS) :]
     assert all(f.heals_at <= SHORT.duration for f in beyond_first_round)
+
+
+def test_without_consumers_no_consumer_fault_is_planned_and_the_seed_plays_as_before() -> None:
+    bare = replace(SHORT, consumers=0)
+    faults = plan(7, bare)
+    assert {f.kind for f in faults} <= set(PUBLISHING_FAULTS)
+    assert sorted(f.kind for f in faults[: len(PUBLISHING_FAULTS)]) == sorted(PUBLISHING_FAULTS)
+    # The schedule seed 7 played before the consuming stage existed.
+    assert [f.kind for f in faults] == [
+        *("net_drop", "net_stall", "net_latency", "relay_kill", "postgres_restart"),
+        *("relay_term", "broker_restart", "net_latency", "net_drop", "net_drop", "net_drop"),
+        "relay_term",
+    ]
+    assert {f.kind for f in plan(7, SHORT)} >= set(CONSUMING_FAULTS)
 
 
 def test_the_long_profile_keeps_faulting_for_its_whole_duration() -> None:
@@ -53,6 +82,9 @@ def test_a_fault_describes_itself_for_the_log() -> None:
         "hold": 0.5,
         "relay": 2,
     }
+    assert Fault(2.0, "consumer_term", 1.5, consumer=1).describe() == (
+        "consumer_term consumer-1 for 1.5s"
+    )
 
 
 def _ids(n: int) -> list[uuid.UUID]:
@@ -97,6 +129,89 @@ def test_a_key_split_across_partitions_is_a_violation_and_phantoms_are_not_order
     assert len(found) == 1 and "partition" in found[0]
 
 
+def test_partition_ends_are_one_past_the_last_record_read() -> None:
+    a, b = _ids(2)
+    records = [
+        TopicRecord(a, "t", 0, 4, b"k"),
+        TopicRecord(b, "t", 0, 9, b"k"),  # offsets 5-8: transaction markers, aborted records
+        TopicRecord(a, "t", 1, 0, b"x"),
+    ]
+    assert partition_ends(records) == {("t", 0): 10, ("t", 1): 1}
+
+
+# -- the consuming side --------------------------------------------------------------------
+
+
+def _committed(*seqs: int, topic: str = "t", key: bytes = b"k") -> dict[uuid.UUID, RowFacts]:
+    return {uuid.UUID(int=seq): RowFacts(seq, topic, key) for seq in seqs}
+
+
+def _applied(*seqs: int, topic: str = "t", key: str = "k") -> list[Application]:
+    """Applications of the messages of ``seqs``, committed in the order given."""
+    return [
+        Application(uuid.UUID(int=seq), topic, key, number)
+        for number, seq in enumerate(seqs, start=1)
+    ]
+
+
+def test_every_committed_message_applied_once_in_order_passes() -> None:
+    rows = {**_committed(1, 4, 9), **_committed(2, 3, key=b"x")}
+    made = _applied(1, 4, 9) + _applied(2, 3, key="x")
+    found = audit_applied(made, rows)
+    assert found.applied == 5
+    assert found.missing == found.applied_twice == found.not_committed == found.order == []
+
+
+def test_a_message_applied_twice_is_found_even_in_order() -> None:
+    found = audit_applied(_applied(1, 2, 2, 3), _committed(1, 2, 3))
+    assert found.applied_twice == [uuid.UUID(int=2)]
+    assert found.order == [] and found.missing == []  # the second application is not reordered
+
+
+def test_a_message_applied_twice_out_of_order_counts_as_twice_only() -> None:
+    found = audit_applied(_applied(1, 2, 3, 1), _committed(1, 2, 3))
+    assert found.applied_twice == [uuid.UUID(int=1)] and found.order == []
+
+
+def test_a_committed_message_never_applied_and_an_uncommitted_one_applied_are_found() -> None:
+    found = audit_applied(_applied(1, 3, 7), _committed(1, 2, 3))
+    assert found.missing == [uuid.UUID(int=2)]
+    assert found.not_committed == [uuid.UUID(int=7)]
+    assert found.order == []
+
+
+def test_a_key_applied_out_of_the_writers_order_is_a_violation() -> None:
+    rows = {**_committed(1, 2, 3), **_committed(4, 5, topic="u")}
+    made = _applied(2, 1, 3) + _applied(5, 4, topic="u")
+    found = audit_applied(made, rows)
+    assert len(found.order) == 2
+    assert "seq 1" in found.order[0] and "after" in found.order[0]
+    assert found.missing == found.applied_twice == []
+
+
+def test_the_applied_order_is_the_commit_order_not_the_row_order() -> None:
+    a, b = uuid.UUID(int=1), uuid.UUID(int=2)
+    # Rows listed b first, but numbered as committed: a (1), then b (2).
+    made = [Application(b, "t", "k", 2), Application(a, "t", "k", 1)]
+    assert audit_applied(made, _committed(1, 2)).order == []
+    swapped = [Application(b, "t", "k", 1), Application(a, "t", "k", 2)]
+    assert len(audit_applied(swapped, _committed(1, 2)).order) == 1
+
+
+def test_the_inbox_counters_are_read_from_a_consumers_metrics() -> None:
+    exposition = (
+        "# HELP outbox_inbox_duplicates_total Messages skipped\n"
+        "# TYPE outbox_inbox_duplicates_total counter\n"
+        'outbox_inbox_duplicates_total{topic="a"} 3.0\n'
+        'outbox_inbox_duplicates_total{topic="b"} 4.0\n'
+        'outbox_inbox_duplicates_created{topic="a"} 1.7e9\n'
+        "# HELP outbox_inbox_processed_total Messages applied\n"
+        "# TYPE outbox_inbox_processed_total counter\n"
+        'outbox_inbox_processed_total{topic="a"} 10.0\n'
+    )
+    assert counters(exposition) == {"duplicates_skipped": 7, "processed": 10}
+
+
 CLEAN = dict.fromkeys(d.CLASSES, 0)
 
 
@@ -104,6 +219,14 @@ def test_a_clean_run_passes_and_at_least_once_duplicates_and_late_messages_are_a
     assert Findings("exactly-once", CLEAN).verdict == "PASS"
     counted = Findings("at-least-once", {**CLEAN, d.DUPLICATE: 12, d.LATE: 3})
     assert counted.verdict == "PASS" and counted.duplicates == 12
+
+
+def _consuming(**broken: Any) -> Findings:
+    return Findings("exactly-once", CLEAN, consuming=ConsumingFindings(3, 100, **broken))
+
+
+def test_a_clean_consuming_side_passes() -> None:
+    assert _consuming().verdict == "PASS"
 
 
 @pytest.mark.parametrize(
@@ -122,6 +245,14 @@ def test_a_clean_run_passes_and_at_least_once_duplicates_and_late_messages_are_a
         (Findings("at-least-once", CLEAN, relay_crashes=1), "relay exits nobody asked for"),
         (Findings("at-least-once", CLEAN, unclean_stops=1), "did not exit 0 after SIGTERM"),
         (Findings("at-least-once", CLEAN, writer_failures=["boom"]), "writer failed: boom"),
+        (_consuming(missing=2), "2 committed messages never applied"),
+        (_consuming(applied_twice=1), "1 messages applied more than once"),
+        (_consuming(not_committed=1), "applied messages that were never committed"),
+        (_consuming(order_violations=4), "4 per-key order violations on the applied side"),
+        (_consuming(parked=1), "messages parked by the consumers"),
+        (_consuming(caught_up=False), "did not reach the end of the topics"),
+        (_consuming(consumer_crashes=1), "consumer exits nobody asked for"),
+        (_consuming(unclean_stops=1), "consumers that did not exit 0 after SIGTERM"),
     ],
 )
 def test_each_broken_guarantee_fails_the_run(findings: Findings, expected: str) -> None:
@@ -140,9 +271,13 @@ def test_plan_only_prints_the_seeds_schedule_without_starting_anything() -> None
     assert result.exit_code == 0
     printed = [json.loads(line) for line in result.output.splitlines()]
     assert printed == [fault.to_json() for fault in plan(5, SHORT)]
+    bare = CliRunner().invoke(chaos, ["--seed", "5", "--consumers", "0", "--plan-only"])
+    printed = [json.loads(line) for line in bare.output.splitlines()]
+    assert printed == [fault.to_json() for fault in plan(5, replace(SHORT, consumers=0))]
+    assert not any("consumer" in fault for fault in printed)
 
 
-def _invoke_with_outcome(monkeypatch: pytest.MonkeyPatch, tmp_path, outcome):  # type: ignore[no-untyped-def]
+def _invoke_with_outcome(monkeypatch: pytest.MonkeyPatch, tmp_path, outcome, extra=None):  # type: ignore[no-untyped-def]
     """Run the CLI with the run's orchestration replaced by ``outcome`` (a result or error)."""
     from click.testing import CliRunner
 
@@ -153,7 +288,7 @@ def _invoke_with_outcome(monkeypatch: pytest.MonkeyPatch, tmp_path, outcome):  #
         if isinstance(outcome, Exception):
             raise outcome
         return chaos_run.ChaosResult(
-            self.settings, 12.0, [{"kind": "net_drop"}], 100, 10, 0, outcome, _EXTRA
+            self.settings, 12.0, [{"kind": "net_drop"}], 100, 10, 0, outcome, extra or _EXTRA
         )
 
     monkeypatch.setattr(chaos_run.ChaosRun, "execute", execute)
@@ -197,3 +332,22 @@ def test_a_run_that_cannot_be_carried_out_exits_2_in_one_line_without_the_passwo
     assert "hunter2" not in result.output
     body = json.loads(result.output.strip().splitlines()[-1])
     assert body["verdict"] == "ERROR" and "PostgreSQL did not start" in body["error"]
+
+
+def test_the_consuming_side_is_reported_and_a_double_application_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    findings = Findings("exactly-once", CLEAN, consuming=ConsumingFindings(3, 101, applied_twice=1))
+    figures = {"inbox_rows": 100, "duplicates_skipped": 4, "processed": 101, "catch_up_s": 0.5}
+    extra = {**_EXTRA, "consuming": {**figures, "term_exit_codes": [0, 0, 0]}}
+    result = _invoke_with_outcome(monkeypatch, tmp_path, findings, extra)
+    assert result.exit_code == 1
+    body = json.loads(result.output.strip().splitlines()[-1])
+    assert body["consuming"]["applied_twice"] == 1 and body["consuming"]["inbox_rows"] == 100
+    assert body["consuming"]["duplicates_skipped"] == 4 and body["consuming"]["consumers"] == 3
+    assert "applied            101 (inbox rows 100); duplicates skipped by the inbox 4" in (
+        result.output
+    )
+    assert "VIOLATION: 1 messages applied more than once" in result.output

@@ -89,6 +89,10 @@ def test_record_from_row_adds_the_id_header_and_refuses_broken_headers() -> None
     ]
     with pytest.raises(ValueError, match="differ in length"):
         OutboxRecord.from_row({**encoded.row, "seq": 1, "header_values": [b"1", b"2"]})
+    with pytest.raises(ValueError, match="differ in length"):  # values with no names at all
+        OutboxRecord.from_row(
+            {**encoded.row, "seq": 1, "header_names": [], "header_values": [b"orphan"]}
+        )
     bare = encode(Message("t", b"v")).row
     plain = OutboxRecord.from_row({**bare, "seq": 2, "header_names": None, "header_values": None})
     assert plain.headers == [("outbox-id", str(bare["id"]).encode())]

@@ -166,3 +166,79 @@ def test_a_client_failure_without_a_reason_counts_as_fatal() -> None:
     wrapped.__cause__ = fenced
     assert kafka_error_of(wrapped) is fenced.args[0]
     assert kafka_error_of(ValueError("not Kafka's")) is None
+
+
+def test_exactly_once_events_are_served_while_a_transaction_drops_its_lost_producer() -> None:
+    """The loop serves the producers' events while shard transactions run (a rebalance no
+    longer waits for them); one of them may meanwhile drop the producer of a shard it lost."""
+    import threading
+    import time
+
+    from outbox.relay.producers import ExactlyOncePublisher
+
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": "127.0.0.1:9"},
+        transactional_id_prefix="race",
+        progress_topic="race-progress",
+        owner="race",
+        delivery_timeout_ms=1000,
+    )
+    polled: list[int] = []
+
+    class SlowProducer:
+        def __init__(self, shard: int) -> None:
+            self.shard = shard
+
+        def poll(self, timeout: float) -> int:
+            polled.append(self.shard)
+            time.sleep(0.05)  # librdkafka's poll lets other threads run meanwhile
+            return 0
+
+    producers = {shard: SlowProducer(shard) for shard in range(4)}
+    publisher.producers = producers  # type: ignore[assignment]
+
+    def lose_shard_2() -> None:  # what a transaction thread does when it was fenced
+        time.sleep(0.01)
+        publisher._lost(2, producers[2], [], BatchResult(), None)  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=lose_shard_2)
+    thread.start()
+    try:
+        publisher.serve_events()
+    finally:
+        thread.join()
+        publisher.producers = {}
+        publisher.close()
+    assert polled == [0, 1, 2, 3] and 2 not in publisher.producers
+
+
+def test_an_exactly_once_batch_that_ends_while_the_publisher_looks_is_still_returned() -> None:
+    """A shard transaction may end (in its thread) between two looks at it: it must come
+    back from wait() all the same, or its shards stay busy and are never read again."""
+    from concurrent.futures import Future
+
+    from outbox.relay.producers import ExactlyOncePublisher, ShardFlight
+
+    class EndsWhileLookedAt(ShardFlight):
+        looks = 0
+
+        def done(self) -> bool:
+            self.looks += 1
+            return self.looks > 1  # running at the first look, ended at the next
+
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": "127.0.0.1:9"},
+        transactional_id_prefix="race",
+        progress_topic="race-progress",
+        owner="race",
+        delivery_timeout_ms=1000,
+    )
+    future: Future[BatchResult] = Future()
+    future.set_result(BatchResult())
+    flight = EndsWhileLookedAt([], future)
+    publisher._flights = [flight]
+    try:
+        returned = publisher.wait(0) + publisher.wait(0)
+    finally:
+        publisher.close()
+    assert returned == [flight]
