@@ -10,9 +10,10 @@ is no common transaction; a prepared message takes RocketMQ's way instead::
     # committed in a short transaction of its own, and invisible to the relay
     try:
         create_order_in_the_other_database(7)
-    except Exception:
+    except OrderRefused:  # refused before anything was written: surely not done
         message.rollback()  # never published
         raise
+    # any other exception leaves it prepared: the step may have happened, the checker tells
     message.commit()  # pending from now on: the relay publishes it
 
 If the process dies before ``commit()`` or ``rollback()``, the check-back runner of the
@@ -100,6 +101,11 @@ class TransactionResult:
     #: Whether the message is decided: committed or rolled back as answered. False after
     #: UNKNOWN, or when the database could not be told: check-back then decides it.
     resolved: bool
+    #: The message's idempotency key was taken already: nothing was prepared and ``local``
+    #: did not run. ``message_id`` is the earlier message's, and ``answer`` and ``resolved``
+    #: say where it stands: COMMIT when it was committed (or published as a plain message),
+    #: UNKNOWN (not resolved) while it waits for a verdict.
+    duplicate: bool = False
 
 
 class PreparedMessages:
@@ -211,12 +217,21 @@ class PreparedMessages:
         :class:`~outbox.errors.InvalidAnswer` and also leaves the message prepared.
 
         If the database cannot be told the answer (it is out of reach), the result says
-        ``resolved=False`` and check-back decides the message later.
+        ``resolved=False`` and check-back decides the message later. A permanent failure (the
+        table missing, a privilege missing) raises its :class:`~outbox.errors.OutboxError`.
+
+        **A message whose idempotency key is taken does not run ``local``**: the key says the
+        step was done (or is under way) with the earlier message, so the result says
+        ``duplicate=True`` and where that message stands (see :class:`TransactionResult`). A
+        rolled-back message gives its key up: a retry after a rollback runs the step again.
         """
         if not callable(local) or inspect.iscoroutinefunction(local):
             raise ConfigError("local must be a plain function; use asend_in_transaction for async")
         prepared = self._insert_sync(*self._checked(message, group, check_after))
         message_id = prepared.message_id
+        if prepared.duplicate:
+            with self.outbox.engine.connect() as conn:
+                return _existing(message_id, self.store.statuses(conn, [message_id]))
         answer = parse_answer(self._run_local(local, message_id), "the local transaction")
         if answer is UNKNOWN:
             return TransactionResult(message_id, answer, False)
@@ -240,6 +255,10 @@ class PreparedMessages:
             raise ConfigError("local must be callable")
         prepared = await self._insert_async(*self._checked(message, group, check_after))
         message_id = prepared.message_id
+        if prepared.duplicate:
+            async with self.outbox.async_engine.connect() as conn:
+                statuses = await conn.run_sync(lambda sync: self.store.statuses(sync, [message_id]))
+            return _existing(message_id, statuses)
         raw = self._run_local(local, message_id)
         if inspect.isawaitable(raw):
             try:
@@ -303,10 +322,11 @@ class PreparedMessages:
             await conn.run_sync(lambda sync: self._decide(sync, message_id, answer))
 
     def _decide(self, conn: sa.Connection, message_id: uuid.UUID, answer: Answer) -> None:
-        if answer is COMMIT:
-            done = self.store.commit(conn, [message_id], PRODUCER)
-        else:
-            done = self.store.rollback(conn, [message_id], PRODUCER)
+        with self.store.typed_errors():
+            if answer is COMMIT:
+                done = self.store.commit(conn, [message_id], PRODUCER)
+            else:
+                done = self.store.rollback(conn, [message_id], PRODUCER)
         if not done:
             row = self.store.statuses(conn, [message_id]).get(message_id)
             already_decided(message_id, row, answer)
@@ -334,6 +354,26 @@ def already_decided(
         message_id=message_id,
         status=status,
     )
+
+
+def _existing(
+    message_id: uuid.UUID, statuses: Mapping[uuid.UUID, Mapping[str, Any] | sa.RowMapping]
+) -> TransactionResult:
+    """The result of a send whose idempotency key was taken by ``message_id``: where that
+    message stands (``statuses``: its status row, if it still has one)."""
+    row = statuses.get(message_id)
+    status = None if row is None else row["status"]
+    if row is not None and row["prepared_at"] is None:  # a plain message: it was written
+        committed = True
+    else:
+        committed = status in (PENDING, SENT) or (
+            status == DEAD and row is not None and row["error_kind"] != UNRESOLVED
+        )
+    if committed:
+        return TransactionResult(message_id, COMMIT, True, duplicate=True)
+    if status == ROLLED_BACK:
+        return TransactionResult(message_id, ROLLBACK, True, duplicate=True)
+    return TransactionResult(message_id, UNKNOWN, False, duplicate=True)
 
 
 def _local_failed(message_id: uuid.UUID) -> None:

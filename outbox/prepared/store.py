@@ -8,7 +8,8 @@ take an ``Engine`` and run one short transaction each.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,17 +82,33 @@ class PreparedStore:
         stored already (then nothing was written and the id is the earlier message's)."""
         params: dict[str, Any] = {name: encoded.row.get(name) for name in _INSERTED_COLUMNS}
         params.update(check_group=check_group, check_after=check_after)
+        # Twice at most: the row holding the key may be rolled back (and give the key up)
+        # between the insert that found it and the look for it.
+        for _ in range(2):
+            with self.typed_errors():
+                inserted = conn.execute(self.queries["insert_prepared"], params).scalar()
+            if inserted is not None:
+                return inserted, False
+            key = {"key": encoded.idempotency_key}
+            found = conn.execute(self.queries["find_idempotency_key"], key).scalar()
+            if found is not None:
+                return found, True
+        raise OutboxError(
+            f"idempotency key {encoded.idempotency_key!r} is being released and taken again "
+            "at the same time: try again"
+        )
+
+    @contextmanager
+    def typed_errors(self) -> Iterator[None]:
+        """Raise a permanent failure (the table missing or not upgraded, a privilege missing)
+        as the :class:`~outbox.errors.OutboxError` that says so, not as a database error."""
         try:
-            inserted = conn.execute(self.queries["insert_prepared"], params).scalar()
+            yield
         except exc.ProgrammingError as error:
             translated = self._translated(error)
             if translated is None:
                 raise
             raise translated from error
-        if inserted is not None:
-            return inserted, False
-        found = conn.execute(self.queries["find_idempotency_key"], {"key": encoded.idempotency_key})
-        return found.scalar_one(), True
 
     def commit(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:
         """Make prepared messages pending, in the order they were prepared (their UUIDv7 ids),

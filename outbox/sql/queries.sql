@@ -338,9 +338,11 @@ UPDATE {table}
 
 -- name: rollback_prepared
 -- Roll prepared messages back, for good: they are never published. :by says who decided.
+-- The idempotency key is given up: a rolled-back message stands for a step that did not
+-- happen, so a later message with the same key (a retry) must not be taken for its duplicate.
 UPDATE {table}
    SET status = 'rolled_back', resolved_at = now(), resolved_by = :by, next_check_at = NULL,
-       lease_owner = NULL, lease_until = NULL
+       lease_owner = NULL, lease_until = NULL, idempotency_key = NULL
  WHERE id = ANY(CAST(:ids AS uuid[]))
    AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
 
@@ -401,8 +403,11 @@ RETURNING o.id, o.check_count;
 -- Check-back gives up on prepared rows that had :max_checks checks without a verdict: they end
 -- rolled back (:end_status 'rolled_back') or dead for an operator (:end_status 'dead'), with
 -- the reason. A dead one may still be committed or rolled back. Returns the rows it ended.
+-- A rolled-back one gives up its idempotency key, as rollback_prepared does.
 UPDATE {table}
    SET status = CAST(:end_status AS text), next_check_at = NULL,
+       idempotency_key = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN NULL
+                              ELSE idempotency_key END,
        resolved_at = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN now() END,
        resolved_by = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN 'expired' END,
        error_kind = 'unresolved',

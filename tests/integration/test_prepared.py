@@ -212,6 +212,79 @@ def test_an_idempotency_key_prepares_once(engine) -> None:  # type: ignore[no-un
     assert status_of(engine, first.message_id) == "pending"
 
 
+def test_a_rolled_back_message_gives_its_idempotency_key_up(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    prepared = PreparedMessages(ob, check_after=0)
+    # Rolled back by its producer: a plain publish with the key afterwards is a new message.
+    first = prepared.prepare("orders", {"order": 7}, idempotency_key="order-7-created")
+    first.rollback()
+    with ob.transaction() as tx:
+        retried = tx.publish("orders", {"order": 7}, idempotency_key="order-7-created")
+    assert retried.message_id != first.message_id
+    assert status_of(engine, retried.message_id) == "pending"
+    assert row(engine, first.message_id)["idempotency_key"] is None
+    # Rolled back by check-back at max checks: the key is free again too.
+    given_up = prepared.prepare("orders", {"order": 8}, idempotency_key="order-8-created")
+    registry = CheckRegistry()
+    registry.add_checker(answers(UNKNOWN), "orders")
+    with running_checkback(registry, fast_config(outbox_url, max_checks=1)):
+        wait_for(lambda: status_of(engine, given_up.message_id) == "rolled_back", 30, "expiry")
+    again = prepared.prepare("orders", {"order": 8}, idempotency_key="order-8-created")
+    assert not again.duplicate and again.message_id != given_up.message_id
+
+
+def test_send_in_transaction_runs_the_step_once_per_idempotency_key(engine) -> None:  # type: ignore[no-untyped-def]
+    prepared = PreparedMessages(Outbox(engine))
+    steps: list[uuid.UUID] = []
+
+    def step(answer: str) -> Callable[[uuid.UUID], str]:
+        return lambda message_id: steps.append(message_id) or answer  # type: ignore[func-returns-value]
+
+    declined = prepared.send_in_transaction(
+        Message("orders", {"n": 8}, idempotency_key="order-8"), step(ROLLBACK)
+    )
+    # A retry after a rollback runs the step again, as a new message, and commits it.
+    retried = prepared.send_in_transaction(
+        Message("orders", {"n": 8}, idempotency_key="order-8"), step(COMMIT)
+    )
+    assert (retried.answer, retried.resolved, retried.duplicate) == (COMMIT, True, False)
+    assert retried.message_id != declined.message_id
+    assert status_of(engine, retried.message_id) == "pending"
+    assert steps == [declined.message_id, retried.message_id]
+    # Once the key is committed (or is a plain message's), the step does not run again.
+    again = prepared.send_in_transaction(
+        Message("orders", {"n": 8}, idempotency_key="order-8"), step(COMMIT)
+    )
+    assert (again.message_id, again.answer, again.resolved, again.duplicate) == (
+        retried.message_id,
+        COMMIT,
+        True,
+        True,
+    )
+    with Outbox(engine).transaction() as tx:
+        plain = tx.publish("orders", {"n": 9}, idempotency_key="order-9").message_id
+    after_plain = prepared.send_in_transaction(
+        Message("orders", {"n": 9}, idempotency_key="order-9"), step(ROLLBACK)
+    )
+    assert (after_plain.message_id, after_plain.answer, after_plain.duplicate) == (
+        plain,
+        COMMIT,
+        True,
+    )
+    # While the key's message waits for a verdict, it says so and runs nothing either.
+    waiting = prepared.prepare("orders", {"n": 10}, idempotency_key="order-10")
+    undecided = prepared.send_in_transaction(
+        Message("orders", {"n": 10}, idempotency_key="order-10"), step(COMMIT)
+    )
+    assert (undecided.message_id, undecided.answer, undecided.resolved) == (
+        waiting.message_id,
+        UNKNOWN,
+        False,
+    )
+    assert steps == [declined.message_id, retried.message_id]
+    assert status_of(engine, waiting.message_id) == "prepared"
+
+
 @pytest.mark.asyncio
 async def test_the_asyncio_api(outbox_url: str, engine: sa.Engine) -> None:
     prepared = PreparedMessages(Outbox(outbox_url))
@@ -228,6 +301,17 @@ async def test_the_asyncio_api(outbox_url: str, engine: sa.Engine) -> None:
         assert status_of(engine, message.message_id) == "pending"
         assert status_of(engine, result.message_id) == "rolled_back"
         assert status_of(engine, plain.message_id) == "pending"
+        ran: list[uuid.UUID] = []
+
+        async def step(message_id: uuid.UUID) -> str:
+            ran.append(message_id)
+            return COMMIT
+
+        keyed = Message("orders", {"n": 4}, idempotency_key="order-4")
+        first = await prepared.asend_in_transaction(keyed, step)
+        again = await prepared.asend_in_transaction(keyed, step)
+        assert (again.message_id, again.answer, again.duplicate) == (first.message_id, COMMIT, True)
+        assert ran == [first.message_id]
     finally:
         await prepared.outbox.async_engine.dispose()
 
