@@ -3,8 +3,10 @@
 A checker calls the service's other systems (a database, a payment provider), and any of
 them can hang. Python cannot kill a thread, so a checker that has not answered by the timeout
 is left running on its own (a daemon thread) and its check counts as ``timeout``; the runner
-goes on. Such threads are counted (:attr:`CheckCalls.hung`): the runner's health turns bad
-when too many pile up, so that a supervisor restarts the process.
+goes on. Such threads are counted (:attr:`CheckCalls.hung`, per check group
+:meth:`CheckCalls.hung_by_group`): the runner stops checking a group that has too many of them
+(so that they cannot pile up), and its health turns bad, so that a supervisor restarts the
+process.
 """
 
 from __future__ import annotations
@@ -45,13 +47,20 @@ class CheckCalls:
     def __init__(self, checker_for: Callable[[str], Any], timeout: float) -> None:
         self.checker_for = checker_for
         self.timeout = timeout
-        self._abandoned: list[threading.Thread] = []
+        self._abandoned: list[tuple[str, threading.Thread]] = []
 
     @property
     def hung(self) -> int:
         """Checker calls that timed out and have not returned yet."""
-        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
-        return len(self._abandoned)
+        return sum(self.hung_by_group().values())
+
+    def hung_by_group(self) -> dict[str, int]:
+        """:attr:`hung`, per check group (groups with none are absent)."""
+        self._abandoned = [(g, thread) for g, thread in self._abandoned if thread.is_alive()]
+        counts: dict[str, int] = {}
+        for group, _ in self._abandoned:
+            counts[group] = counts.get(group, 0) + 1
+        return counts
 
     def run(self, messages: Sequence[CheckMessage]) -> list[CheckOutcome]:
         """Ask the checker of each message, all at once; the outcomes in the same order."""
@@ -66,9 +75,13 @@ class CheckCalls:
             for index, message in enumerate(messages)
         ]
         started = time.monotonic()
-        for thread in threads:
-            thread.start()
         got: dict[int, CheckOutcome] = {}
+        for index, thread in enumerate(threads):
+            try:
+                thread.start()
+            except Exception as exc:  # RuntimeError: can't start new thread
+                failed = f"could not run the checker: {type(exc).__name__}: {exc}"
+                got[index] = CheckOutcome(messages[index], ERROR, failed, 0.0)
         deadline = started + self.timeout
         while len(got) < len(messages):
             try:
@@ -80,9 +93,10 @@ class CheckCalls:
             got[index] = CheckOutcome(messages[index], answer, error, seconds)
         for index, message in enumerate(messages):
             if index not in got:
-                self._abandoned.append(threads[index])
-                error = f"no answer within {self.timeout:g}s"
-                got[index] = CheckOutcome(message, TIMEOUT, error, self.timeout)
+                self._abandoned.append((message.group, threads[index]))
+                got[index] = CheckOutcome(
+                    message, TIMEOUT, f"no answer within {self.timeout:g}s", self.timeout
+                )
         return [got[index] for index in range(len(messages))]
 
     def _call(

@@ -57,10 +57,17 @@ class CheckMessage:
     checks: int
     #: The undecoded value.
     raw_value: bytes | None = None
+    #: How long ago the message was prepared when it was claimed for this check, by the
+    #: database's clock (the one ``prepared_at`` was taken by, whatever this host's says).
+    #: Made by hand without it: by this host's clock.
+    age_at_claim: timedelta | None = None
 
     @property
     def age(self) -> timedelta:
-        """How long ago the message was prepared (by this host's clock)."""
+        """How long ago the message was prepared: :attr:`age_at_claim`, by the database's
+        clock."""
+        if self.age_at_claim is not None:
+            return self.age_at_claim
         return datetime.now(UTC) - self.prepared_at
 
     def header(self, name: str) -> bytes | None:
@@ -125,17 +132,22 @@ class CheckRegistry:
     def checkers(self) -> Mapping[str, Checker]:
         return dict(self._checkers)
 
-    def message(self, row: Mapping[str, Any] | RowMapping) -> CheckMessage:
+    def message(self, row: Mapping[str, Any] | RowMapping, *, decode: bool = True) -> CheckMessage:
         """The message a checker gets, from a claimed row (the value decoded; a value the
-        deserializer cannot read is passed undecoded, as bytes)."""
+        deserializer cannot read, it raises ValueError, is passed undecoded, as bytes; any
+        other exception of the deserializer propagates). ``decode=False`` leaves the value
+        undecoded."""
         names = row["header_names"] or ()
         values = row["header_values"] or ()
         headers = tuple(zip(names, (_bytes(v) for v in values), strict=True))
         raw = _bytes(row["value"])
-        try:
-            value = self.deserializer.deserialize(raw, row["content_type"])
-        except ValueError:
-            value = raw
+        value: Any = raw
+        if decode:
+            try:
+                value = self.deserializer.deserialize(raw, row["content_type"])
+            except ValueError:
+                value = raw
+        age = row.get("age_seconds")
         return CheckMessage(
             id=row["id"],
             topic=row["topic"],
@@ -146,6 +158,7 @@ class CheckRegistry:
             prepared_at=row["prepared_at"],
             checks=row["check_count"],
             raw_value=raw,
+            age_at_claim=None if age is None else timedelta(seconds=float(age)),
         )
 
 

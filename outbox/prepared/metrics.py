@@ -57,6 +57,18 @@ class CheckbackMetrics:
             "Checker calls past their timeout that have not returned",
             registry=r,
         )
+        self.paused = Gauge(
+            "outbox_checkback_paused",
+            "1 while a check group is not checked because max hung checks of it are hung",
+            ["group"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "outbox_checkback_skipped_rounds",
+            "Rounds that left a check group out because max hung checks of it are hung",
+            ["group"],
+            registry=r,
+        )
 
 
 class CheckbackHealth(LoopHealth):

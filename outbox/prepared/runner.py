@@ -12,7 +12,9 @@ One round:
    has checkers for (``FOR UPDATE SKIP LOCKED``, then a lease of ``lease_seconds``), so that
    several runners share the work and each message is checked by one runner at a time;
 2. ask their checkers at once, each in a thread bounded by ``check_timeout``
-   (:mod:`outbox.prepared.calls`): a hung checker costs its check, never the loop;
+   (:mod:`outbox.prepared.calls`): a hung checker costs its check, never the loop; a group
+   with ``max_hung_checks`` calls hung is not claimed until they return (a message that
+   cannot even be decoded costs its check as an error);
 3. record every check (count, time, answer or error) and act on it, in one transaction:
    COMMIT makes the message pending, ROLLBACK rolls it back; UNKNOWN, an error or a timeout
    schedules the next check with backoff, and after ``max_checks`` of them the message ends
@@ -40,10 +42,10 @@ from outbox import health_server
 from outbox.errors import ConfigError
 from outbox.loops import Stoppable
 from outbox.prepared.calls import ERROR, TIMEOUT, CheckCalls, CheckOutcome
-from outbox.prepared.checkers import CheckRegistry
+from outbox.prepared.checkers import CheckMessage, CheckRegistry
 from outbox.prepared.config import CheckbackConfig
 from outbox.prepared.metrics import CheckbackHealth, CheckbackMetrics
-from outbox.prepared.store import CheckRecord, PreparedStore, Recorded
+from outbox.prepared.store import CheckRecord, PreparedStore, Recorded, stored_text
 
 log = logging.getLogger("outbox.checkback")
 
@@ -130,16 +132,29 @@ class CheckbackRunner(Stoppable):
     def run_once(self, engine: sa.Engine) -> int:
         """One round: claim due rows, check them, record the checks. Returns how many rows
         were checked (0: none was due)."""
+        groups = self._groups_to_check()
+        if not groups:
+            return 0
         rows = self.store.claim_due(
             engine,
             self.owner,
-            self.registry.groups,
+            groups,
             self.config.concurrency,
             self.config.lease_seconds,
         )
         if not rows:
             return 0
-        outcomes = self.calls.run([self.registry.message(row) for row in rows])
+        messages: list[CheckMessage] = []
+        unreadable: list[CheckOutcome] = []
+        for row in rows:
+            try:
+                messages.append(self.registry.message(row))
+            except Exception as exc:  # the deserializer's: an error check of this message
+                error = f"could not decode the message: {type(exc).__name__}: {exc}"
+                unreadable.append(
+                    CheckOutcome(self.registry.message(row, decode=False), ERROR, error, 0.0)
+                )
+        outcomes = unreadable + self.calls.run(messages)
         records = [
             CheckRecord(
                 outcome.message.id,
@@ -154,6 +169,21 @@ class CheckbackRunner(Stoppable):
         )
         self._observe(outcomes, recorded)
         return len(rows)
+
+    def _groups_to_check(self) -> list[str]:
+        """The groups whose messages are claimed this round: not those with
+        ``max_hung_checks`` checker calls hung (their checker hangs: more calls would only
+        pile up threads); those are counted as paused until their calls return."""
+        hung = self.calls.hung_by_group()
+        groups = []
+        for group in self.registry.groups:
+            paused = hung.get(group, 0) >= self.config.max_hung_checks
+            self.metrics.paused.labels(group).set(1 if paused else 0)
+            if paused:
+                self.metrics.skipped.labels(group).inc()
+            else:
+                groups.append(group)
+        return groups
 
     def _loop(self, engine: sa.Engine) -> None:
         next_count = time.monotonic()
@@ -174,6 +204,11 @@ class CheckbackRunner(Stoppable):
                     extra={"error": str(exc).splitlines()[0], "retry_in": round(delay, 2)},
                 )
                 self._stop.wait(delay)
+                continue
+            except Exception:  # a bug or a broken environment: log it, never die of it
+                outage += 1
+                log.exception("check-back round failed: trying again later")
+                self._stop.wait(_backoff(outage))
                 continue
             outage = 0
             self.health.database_ok = True
@@ -222,7 +257,11 @@ class CheckbackRunner(Stoppable):
 
 
 def _about(outcome: CheckOutcome, error: str | None) -> dict[str, Any]:
-    return {"id": str(outcome.message.id), "group": outcome.message.group, "error": error}
+    return {
+        "id": str(outcome.message.id),
+        "group": outcome.message.group,
+        "error": stored_text(error),
+    }
 
 
 def _backoff(attempts: int) -> float:

@@ -7,6 +7,7 @@ take an ``Engine`` and run one short transaction each.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from outbox.message import EncodedMessage
 from outbox.prepared.answers import COMMIT, ROLLBACK
 from outbox.publisher import translate_table_error
 from outbox.queries import Queries
+from outbox.redaction import mask_secrets
 from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
 
 #: Who decided a prepared message (the ``resolved_by`` column).
@@ -29,6 +31,10 @@ PRODUCER, CHECK, EXPIRED, OPERATOR = "producer", "check", "expired", "operator"
 UNRESOLVED = "unresolved"
 #: The ways a message may end when check-back gives up on it.
 END_STATUSES = (ROLLED_BACK, DEAD)
+#: Longest checker error (or answer) text recorded.
+MAX_STORED_TEXT = 2000
+
+log = logging.getLogger("outbox.checkback")
 
 _INSERTED_COLUMNS = (
     "id",
@@ -176,11 +182,41 @@ class PreparedStore:
         ``end_status``. Only rows ``owner`` still holds are touched."""
         if not checks:
             return Recorded(frozenset(), (), (), ())
+        try:
+            return self._record(engine, owner, checks, max_checks, end_status)
+        except exc.DataError:
+            if len(checks) == 1:
+                raise
+        # A check the database refuses must not cost the others their verdicts: one by one.
+        parts: list[Recorded] = []
+        for check in checks:
+            try:
+                parts.append(self._record(engine, owner, [check], max_checks, end_status))
+            except exc.DataError as error:
+                log.error(
+                    "could not record a check: the message is checked again after its lease",
+                    extra={"id": str(check.id), "error": str(error.orig).splitlines()[0]},
+                )
+        return Recorded(
+            frozenset().union(*(part.recorded for part in parts)),
+            tuple(i for part in parts for i in part.committed),
+            tuple(i for part in parts for i in part.rolled_back),
+            tuple(i for part in parts for i in part.expired),
+        )
+
+    def _record(
+        self,
+        engine: sa.Engine,
+        owner: str,
+        checks: Sequence[CheckRecord],
+        max_checks: int,
+        end_status: str,
+    ) -> Recorded:
         params = {
             "owner": owner,
             "ids": [c.id for c in checks],
-            "answers": [c.answer for c in checks],
-            "errors": [c.error[:2000] if c.error else None for c in checks],
+            "answers": [stored_text(c.answer) for c in checks],
+            "errors": [stored_text(c.error) for c in checks],
             "delays": [c.delay for c in checks],
         }
         with engine.begin() as conn:
@@ -248,6 +284,15 @@ class PreparedStore:
         if translated is None and getattr(error.orig, "sqlstate", None) == "42703":
             translated = OutboxError(_too_old(self.spec))  # undefined_column: not upgraded
         return translated
+
+
+def stored_text(text: str | None) -> str | None:
+    """A checker's text as it is stored and shown: passwords masked, NUL characters (which
+    PostgreSQL refuses in text) written as ``\\x00``, at most ``MAX_STORED_TEXT``
+    characters."""
+    if text is None:
+        return None
+    return mask_secrets(text.replace("\x00", "\\x00"))[:MAX_STORED_TEXT]
 
 
 def _too_old(spec: OutboxTableSpec) -> str:

@@ -377,7 +377,8 @@ UPDATE {table} AS o
   FROM due
  WHERE o.id = due.id
 RETURNING o.id, o.topic, o.key, o.value, o.content_type, o.header_names, o.header_values,
-          o.check_group, o.check_count, o.prepared_at;
+          o.check_group, o.check_count, o.prepared_at,
+          extract(epoch FROM now() - o.prepared_at) AS age_seconds;
 
 -- name: record_checks
 -- Check-back: record one check of each row this runner (:owner) still holds: the count, the

@@ -546,6 +546,32 @@ def test_a_hung_checker_costs_its_check_not_the_runner(engine, outbox_url) -> No
         release.set()
 
 
+def test_a_checker_error_the_database_refuses_as_text_costs_no_other_verdict(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    prepared = PreparedMessages(Outbox(engine), group="g", check_after=0)
+    innocent = prepared.prepare("orders", {"n": 1})
+    bad = prepared.prepare("orders", {"n": "bad"})
+    with engine.begin() as conn:  # prepared an hour ago, by the database's clock
+        conn.execute(sa.text("UPDATE outbox SET prepared_at = now() - interval '1 hour'"))
+    ages: list[float] = []
+
+    def check(message: CheckMessage) -> str:
+        ages.append(message.age.total_seconds())
+        if message.value["n"] == "bad":
+            raise ValueError("provider said b'\x00\x01' via postgresql://pay:hunter2@bank/x")
+        return COMMIT
+
+    registry = CheckRegistry()
+    registry.add_checker(check, "g")
+    with running_checkback(registry, fast_config(outbox_url, concurrency=2, max_checks=100)):
+        wait_for(lambda: row(engine, bad.message_id)["check_count"] >= 1, 30, "the bad check")
+    assert status_of(engine, innocent.message_id) == "pending"
+    error = row(engine, bad.message_id)["last_check_error"]
+    assert "\\x00" in error and "\x00" not in error and "hunter2" not in error
+    assert all(3590 < age < 3700 for age in ages), ages
+
+
 @pytest.mark.parametrize(("mode", "end"), [("rollback", "rolled_back"), ("dead", "dead")])
 def test_max_checks_ends_a_message_as_configured(
     engine, outbox_url, bootstrap_servers, make_topic, mode: str, end: str

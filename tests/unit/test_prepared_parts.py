@@ -328,3 +328,127 @@ def test_the_loop_rides_out_a_database_outage_and_stops_when_asked() -> None:
     thread.join(10)
     assert not thread.is_alive()
     assert not runner.health.ready and runner.health.not_ready_because() == "stopping"
+
+
+def test_a_message_the_deserializer_cannot_read_costs_its_check_not_the_round() -> None:
+    class SchemaRegistryDeserializer:
+        def deserialize(self, value: bytes | None, content_type: str | None) -> Any:
+            if value and b"poison" in value:
+                raise KeyError("schema 42 not found")
+            return {"order_id": 1}
+
+    registry = CheckRegistry(deserializer=SchemaRegistryDeserializer())
+    registry.add_checker(lambda m: COMMIT, "orders")
+    poison, good = claimed_row(value=b"poison"), claimed_row()
+    store = StubStore([poison, good])
+    runner = CheckbackRunner(
+        registry,
+        CheckbackConfig(database_url=NOWHERE, check_interval=1, backoff_max=4),
+        store=store,  # type: ignore[arg-type]
+        engine=ENGINE,
+    )
+    assert runner.run_once(ENGINE) == 2
+    checks = {c.id: c for c in store.recorded[0][1]}
+    assert checks[good["id"]].answer == "commit"
+    assert checks[poison["id"]].answer == ERROR
+    assert "KeyError" in (checks[poison["id"]].error or "")
+
+
+def test_the_loop_survives_an_unexpected_error_in_a_round() -> None:
+    class FailingOnce(StubStore):
+        def claim_due(self, *args: Any) -> Any:
+            if not self.recorded and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("can't start new thread")
+            return super().claim_due(*args)
+
+    store = FailingOnce([claimed_row(value=b'{"order_id": 1}')])
+    runner = stub_runner(store)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not store.recorded and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runner.stop()
+    thread.join(10)
+    assert store.recorded, "the loop died of one round's error"
+
+
+def test_a_checker_thread_that_cannot_start_is_an_error_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = CheckCalls(lambda group: lambda m: COMMIT, timeout=1.0)
+    start = threading.Thread.start
+    started: list[str] = []
+
+    def start_once(self: threading.Thread) -> None:
+        if started:
+            raise RuntimeError("can't start new thread")
+        started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once)
+    outcomes = calls.run([message(), message()])
+    assert [o.answer for o in outcomes] == ["commit", ERROR]
+    assert "can't start new thread" in (outcomes[1].error or "")
+
+
+def test_a_group_with_max_hung_checks_is_not_claimed_until_they_return() -> None:
+    release = threading.Event()
+    registry = CheckRegistry()
+    registry.add_checker(lambda m: release.wait(30) and COMMIT, "hangs")
+    registry.add_checker(lambda m: COMMIT, "orders")
+    rows = [claimed_row("hangs") for _ in range(6)] + [claimed_row("orders") for _ in range(3)]
+    store = StubStore(rows)
+    config = CheckbackConfig(
+        database_url=NOWHERE, check_timeout=0.1, concurrency=2, max_hung_checks=2
+    )
+    runner = CheckbackRunner(registry, config, store=store, engine=ENGINE)  # type: ignore[arg-type]
+    try:
+        assert runner.run_once(ENGINE) == 2  # two hung calls of "hangs": the group pauses
+        assert runner.calls.hung_by_group() == {"hangs": 2}
+        claimed: list[list[str]] = []
+        claim = store.claim_due
+        store.claim_due = lambda e, o, groups, *a: (
+            claimed.append(list(groups))
+            or claim(  # type: ignore[method-assign]
+                e, o, groups, *a
+            )
+        )
+        for _ in range(3):
+            runner.run_once(ENGINE)
+        assert claimed == [["orders"]] * 3  # no more threads for the hung checker
+        assert runner.calls.hung == 2
+        assert runner.metrics.paused.labels("hangs")._value.get() == 1
+        assert runner.metrics.skipped.labels("hangs")._value.get() == 3
+        runner._tick()
+        assert not runner.health.alive
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while runner.calls.hung and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runner.run_once(ENGINE)
+    assert runner.metrics.paused.labels("hangs")._value.get() == 0
+
+
+def test_a_checker_error_is_stored_without_nul_or_secrets_and_bounded() -> None:
+    from outbox.prepared.store import MAX_STORED_TEXT, stored_text
+
+    text = stored_text("refused b'\x00' by postgresql://pay:hunter2@bank/x " + "x" * 5000)
+    assert text is not None and "\x00" not in text and "\\x00" in text
+    assert "hunter2" not in text and len(text) == MAX_STORED_TEXT
+    assert stored_text(None) is None
+
+
+def test_the_age_is_the_database_clocks_at_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    import outbox.prepared.checkers as checkers
+
+    class SkewedClock(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) + timedelta(days=1)  # this host's clock is a day ahead
+
+    monkeypatch.setattr(checkers, "datetime", SkewedClock)
+    assert message(age_seconds=90.0).age == timedelta(seconds=90)
+    assert message().age > timedelta(hours=23)  # made by hand: this host's clock
