@@ -193,9 +193,11 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
             "seq",
             postgresql_where=sa.text("status = 'pending' AND next_attempt_at IS NOT NULL"),
         ),
-        # Prepared rows only (few), in the order the check-back runners take them.
+        # Prepared rows only (few), by check group in the order the check-back runners take
+        # them: a runner's claim reads its own groups' due rows, not every group's.
         sa.Index(
             f"{name}_prepared_idx",
+            "check_group",
             "next_check_at",
             postgresql_where=sa.text("status = 'prepared'"),
         ),

@@ -7,12 +7,19 @@ checker. The new columns record when the message was prepared, the name its chec
 registered under, when it is checked next, every check, and how it ended.
 ``<table>_prepared_idx`` holds the prepared rows only (few), in the order the runners take them.
 
-The status constraint is replaced ``NOT VALID`` and then validated: validation reads the table
-under a lock that lets writers and the relay go on. The new columns have no default or a
-constant one, so adding them rewrites nothing.
+Locks: Alembic runs a revision in one transaction, and the first ALTER TABLE takes ACCESS
+EXCLUSIVE on the table (no reader, no writer) until that transaction ends. So that ends
+quickly: one ALTER TABLE adds the columns (no default or a constant one: nothing is rewritten)
+and replaces the status constraint ``NOT VALID`` (nothing is read), waiting at most
+``LOCK_TIMEOUT`` for the lock (a long transaction on the table makes it fail with a clear
+error rather than queue every writer behind it), then commits. The full-table scans run after
+it, outside any transaction: ``VALIDATE CONSTRAINT`` (SHARE UPDATE EXCLUSIVE: writers and the
+relay go on) and ``CREATE INDEX CONCURRENTLY``. A run interrupted in between can be run again.
 
-Downgrading refuses while prepared messages exist (commit or roll them back first) and
-deletes rolled-back rows, which the older statuses cannot hold (they were never published).
+Downgrading refuses while messages wait for a verdict (prepared, or left dead by check-back
+as ``unresolved``: the older ``outbox dead retry`` would publish those): commit or roll them
+back first. It deletes rolled-back rows, which the older statuses cannot hold (they were never
+published).
 
 Revision ID: 0004_prepared_messages
 Revises: 0003_wake_trigger
@@ -21,7 +28,6 @@ Create Date: 2026-11-24
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 from alembic import op
 
 from outbox.migration_support import current_spec
@@ -35,30 +41,41 @@ _NEW_STATUSES = "('pending', 'sent', 'dead', 'prepared', 'rolled_back')"
 _OLD_STATUSES = "('pending', 'sent', 'dead')"
 
 
+#: Longest wait for the table's lock before the ALTER TABLE gives up.
+LOCK_TIMEOUT = "5s"
+
+_COLUMNS = (
+    ("prepared_at", "timestamp with time zone"),
+    ("check_group", "text"),
+    ("next_check_at", "timestamp with time zone"),
+    ("check_count", "integer NOT NULL DEFAULT 0"),
+    ("last_checked_at", "timestamp with time zone"),
+    ("last_check_answer", "text"),
+    ("last_check_error", "text"),
+    ("resolved_at", "timestamp with time zone"),
+    ("resolved_by", "text"),
+)
+
+
 def upgrade() -> None:
     spec = current_spec()
-    tz = sa.DateTime(timezone=True)
-    columns = [
-        sa.Column("prepared_at", tz),
-        sa.Column("check_group", sa.Text),
-        sa.Column("next_check_at", tz),
-        sa.Column("check_count", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("last_checked_at", tz),
-        sa.Column("last_check_answer", sa.Text),
-        sa.Column("last_check_error", sa.Text),
-        sa.Column("resolved_at", tz),
-        sa.Column("resolved_by", sa.Text),
+    table = f'"{spec.schema}"."{spec.table}"'
+    check = f'"{spec.table}_status_check"'
+    index = f'"{spec.schema}"."{spec.prepared_index}"'
+    changes = [f"ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in _COLUMNS]
+    changes += [
+        f"DROP CONSTRAINT {check}",
+        f"ADD CONSTRAINT {check} CHECK (status IN {_NEW_STATUSES}) NOT VALID",
     ]
-    for column in columns:
-        op.add_column(spec.table, column, schema=spec.schema)
-    _replace_status_check(_NEW_STATUSES)
-    op.create_index(
-        spec.prepared_index,
-        spec.table,
-        ["next_check_at"],
-        schema=spec.schema,
-        postgresql_where=sa.text("status = 'prepared'"),
-    )
+    _locked_alter(spec.qualified_name, f"ALTER TABLE {table} " + ", ".join(changes))
+    with op.get_context().autocommit_block():
+        op.execute(f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}")
+        # An index left invalid by an interrupted CREATE INDEX CONCURRENTLY is made again.
+        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {index}")
+        op.execute(
+            f'CREATE INDEX CONCURRENTLY "{spec.prepared_index}" ON {table} '
+            "(check_group, next_check_at) WHERE status = 'prepared'"
+        )
 
 
 def downgrade() -> None:
@@ -72,25 +89,44 @@ def downgrade() -> None:
                 RAISE EXCEPTION '{spec.qualified_name} holds prepared messages: commit or roll '
                     'them back first (outbox prepared list)';
             END IF;
+            IF EXISTS (SELECT 1 FROM {table}
+                        WHERE status = 'dead' AND error_kind = 'unresolved') THEN
+                RAISE EXCEPTION '{spec.qualified_name} holds prepared messages that check-back '
+                    'left dead without a verdict: commit or roll them back first (outbox '
+                    'prepared list); the older version would publish them with outbox dead retry';
+            END IF;
         END
         $refuse$
         """
     )
+    op.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
     op.execute(f"DELETE FROM {table} WHERE status = 'rolled_back'")
     op.drop_index(spec.prepared_index, table_name=spec.table, schema=spec.schema)
     _replace_status_check(_OLD_STATUSES)
-    for name in (
-        "resolved_by",
-        "resolved_at",
-        "last_check_error",
-        "last_check_answer",
-        "last_checked_at",
-        "check_count",
-        "next_check_at",
-        "check_group",
-        "prepared_at",
-    ):
+    for name, _ in reversed(_COLUMNS):
         op.drop_column(spec.table, name, schema=spec.schema)
+
+
+def _locked_alter(name: str, statement: str) -> None:
+    """``statement``, waiting at most ``LOCK_TIMEOUT`` for the table's lock, or a clear error."""
+    op.execute(
+        f"""
+        DO $alter$
+        BEGIN
+            SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
+            EXECUTE {_literal(statement)};
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE EXCEPTION '{name} stayed locked by another transaction for {LOCK_TIMEOUT}: '
+                'nothing was changed; run the upgrade again when no long transaction holds '
+                'the table (see pg_stat_activity)';
+        END
+        $alter$
+        """
+    )
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _replace_status_check(statuses: str) -> None:
