@@ -51,6 +51,10 @@ log = logging.getLogger("outbox.prepared")
 #: than the business step normally takes (RocketMQ's transactionTimeout, 6 s there).
 DEFAULT_CHECK_AFTER = 60.0
 
+#: The longest check_after (ten years): more is a mistake, and overflows the database's
+#: interval arithmetic.
+MAX_CHECK_AFTER = 10 * 365 * 86400.0
+
 LocalTransaction: TypeAlias = Callable[[uuid.UUID], "Answer | str"]
 AsyncLocalTransaction: TypeAlias = Callable[[uuid.UUID], "Answer | str | Awaitable[Answer | str]"]
 
@@ -399,9 +403,12 @@ def _seconds(value: object) -> float:
         isinstance(seconds, bool)
         or not isinstance(seconds, int | float)
         or not math.isfinite(seconds)
-        or seconds < 0
+        or not 0 <= seconds <= MAX_CHECK_AFTER
     ):
-        raise ConfigError(f"check_after must be a non-negative number of seconds, got {value!r}")
+        raise ConfigError(
+            "check_after must be a number of seconds from 0 to "
+            f"{MAX_CHECK_AFTER:g} (ten years), got {value!r}"
+        )
     return float(seconds)
 
 

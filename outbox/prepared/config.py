@@ -12,6 +12,10 @@ from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
 #: RocketMQ does, or dead for an operator to decide (``outbox prepared commit/rollback``).
 ROLLBACK_AT_MAX, DEAD_AT_MAX = "rollback", "dead"
 _END_STATUS = {ROLLBACK_AT_MAX: ROLLED_BACK, DEAD_AT_MAX: DEAD}
+#: Upper bounds of the settings in seconds: beyond them a value is a mistake, and overflows
+#: the database's interval arithmetic or a thread's wait.
+MAX_SHORT_SECONDS = 86400.0
+MAX_LONG_SECONDS = 10 * 365 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,12 @@ class CheckbackConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        for name in ("check_timeout", "poll_interval", "count_interval"):
+            if not getattr(self, name) <= MAX_SHORT_SECONDS:
+                raise ConfigError(f"{name} must be at most {MAX_SHORT_SECONDS:g} s (a day)")
+        for name in ("check_interval", "backoff_max"):
+            if not getattr(self, name) <= MAX_LONG_SECONDS:
+                raise ConfigError(f"{name} must be at most {MAX_LONG_SECONDS:g} s (ten years)")
         if self.check_timeout <= 0:
             raise ConfigError("the check timeout must be positive")
         if not 1 <= self.concurrency <= 256:

@@ -20,7 +20,15 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from outbox import InvalidAnswer, InvalidTopic, Message, NotPrepared, Outbox, OutboxError
+from outbox import (
+    InvalidAnswer,
+    InvalidTopic,
+    Message,
+    NotPrepared,
+    Outbox,
+    OutboxError,
+    PermissionDenied,
+)
 from outbox.cli import main
 from outbox.devstack.procs import free_port
 from outbox.devstack.topics import consume_messages
@@ -160,6 +168,9 @@ def test_bad_input_is_refused_before_anything_is_written(engine) -> None:  # typ
         prepared.send_in_transaction(Message("orders", {}), "not callable")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         PreparedMessages(Outbox(engine), check_after=float("nan"))
+    for huge in (1e13, 10**20):  # would overflow the database's interval
+        with pytest.raises(ConfigError, match="ten years"):
+            prepared.prepare("orders", {}, check_after=huge)
     assert ran == []
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 0
@@ -788,7 +799,8 @@ GRANT INSERT ON public.outbox TO {role};
 GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by)
    ON public.outbox TO {role};
 GRANT UPDATE (status, seq, created_at, resolved_at, resolved_by, next_check_at, lease_owner,
-              lease_until, attempts, next_attempt_at, error_kind, last_error)
+              lease_until, attempts, next_attempt_at, error_kind, last_error,
+              idempotency_key)
    ON public.outbox TO {role};
 """
 #: ... and its check-back runner.
@@ -820,6 +832,19 @@ def test_the_documented_grants_are_enough(engine, outbox_url) -> None:  # type: 
         left = prepared.prepare("orders", {"n": 3})
     finally:
         service.dispose()
+    # Without UPDATE, the decision fails for good: a typed error, not "left to check-back".
+    with engine.begin() as conn:
+        role = f"prep_insert_only_{uuid.uuid4().hex[:8]}"
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+        conn.exec_driver_sql(SERVICE_GRANTS.split("GRANT UPDATE")[0].format(role=role))
+    insert_only = sa.create_engine(sa.make_url(outbox_url).set(username=role, password="pw"))
+    try:
+        with pytest.raises(PermissionDenied):
+            PreparedMessages(Outbox(insert_only)).send_in_transaction(
+                Message("orders", {"n": 4}), lambda _: COMMIT
+            )
+    finally:
+        insert_only.dispose()
     registry = CheckRegistry()
     registry.add_checker(answers(COMMIT), "orders")
     config = fast_config(urls["runner"].render_as_string(hide_password=False))

@@ -220,6 +220,10 @@ def test_checker_calls_run_at_once_and_a_hung_one_times_out() -> None:
         {"on_max_checks": "ignore"},
         {"max_hung_checks": 0},
         {"metrics_port": 70000},
+        {"check_timeout": 1e13},
+        {"check_interval": 1e13, "backoff_max": 1e13},
+        {"backoff_max": 1e15},
+        {"poll_interval": float("nan")},
     ],
 )
 def test_bad_runner_settings_are_refused(bad: dict[str, Any]) -> None:
