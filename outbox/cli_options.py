@@ -195,6 +195,11 @@ def run_db_step(step: Callable[[], T]) -> T:
         raise click.ClickException(str(exc)) from exc
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "42703":  # undefined_column
+            raise click.ClickException(
+                f"the table is older than this version of outbox ({mask_secrets(reason)}): "
+                "run `outbox db upgrade`"
+            ) from exc
         raise click.ClickException(f"database error: {mask_secrets(reason)}") from exc
 
 

@@ -108,3 +108,24 @@ def test_a_bad_duration_is_refused(outbox_url: str) -> None:
     result = purge(outbox_url, "--older-than", "3 days")
     assert result.exit_code == 2
     assert "not a duration" in result.output
+
+
+def test_purge_and_dead_show_on_a_table_not_upgraded_say_to_upgrade(database_url: str) -> None:
+    from outbox import migrate
+
+    migrate.upgrade(database_url, revision="0003_wake_trigger")
+    engine = sa.create_engine(database_url)
+    try:
+        with Outbox(engine).transaction() as tx:
+            message_id = tx.publish("orders", {"n": 1}).message_id
+    finally:
+        engine.dispose()
+    url = ["--database-url", database_url]
+    for args in (
+        ["purge", "--older-than", "30d", "--ignore-audit-window"],
+        ["dead", "show", str(message_id)],
+    ):
+        result = CliRunner().invoke(main, [*args, *url])
+        assert result.exit_code == 1, result.output
+        assert "older than this version of outbox" in result.output
+        assert "run `outbox db upgrade`" in result.output
