@@ -12,6 +12,9 @@ rows to Kafka. The usual entry points::
 
     # or inside a transaction you already have (Session or Connection, sync or async):
     outbox.publish(session, "orders", {"id": 7}, key=7)
+
+For a business step outside the outbox's database, prepared messages with check-back are in
+:mod:`outbox.prepared`.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.errors import (
     ConfigError,
+    InvalidAnswer,
     InvalidHeaders,
     InvalidKey,
     InvalidMessage,
     InvalidTopic,
     NotInTransaction,
+    NotPrepared,
     OutboxError,
     OutboxTableMissing,
     PayloadTooLarge,
@@ -48,6 +53,7 @@ __all__ = [
     "BytesSerializer",
     "ConfigError",
     "ImmediateSender",
+    "InvalidAnswer",
     "InvalidHeaders",
     "InvalidKey",
     "InvalidMessage",
@@ -55,6 +61,7 @@ __all__ = [
     "JsonSerializer",
     "Message",
     "NotInTransaction",
+    "NotPrepared",
     "Outbox",
     "OutboxError",
     "OutboxTableMissing",

@@ -2,9 +2,11 @@
 
 The library's own commands (``db``, ``purge``, ``dead``) live here. The others live with the
 package they run and load only when named: ``relay`` (:mod:`outbox.relay.cli`), ``reconcile``
-(:mod:`outbox.spark_jobs.cli`), and from a source checkout ``dev`` (:mod:`outbox.devstack.cli`)
-and ``chaos`` (:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor
-PySpark, and a command whose package is not installed says so in one line.
+(:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`),
+``checkback`` and ``prepared`` (:mod:`outbox.prepared.cli`), and from a source checkout
+``dev`` (:mod:`outbox.devstack.cli`) and ``chaos`` (:mod:`outbox.chaos.cli`). So
+``outbox --help`` loads neither librdkafka nor PySpark, and a command whose package is not
+installed says so in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any, NamedTuple
 
 import click
 
-from outbox.cli_options import DATABASE_URL, SCHEMA, TABLE, run_db_step, table_spec
+from outbox.cli_options import (
+    DATABASE_URL,
+    SCHEMA,
+    TABLE,
+    database_engine,
+    message_selection,
+    run_db_step,
+    table_spec,
+)
 from outbox.errors import OutboxError
 
 
@@ -55,6 +65,16 @@ LAZY_COMMANDS = {
         "outbox.inbox.cli",
         "inbox",
         "The inbox tables: install, purge old rows, deal with parked messages.",
+    ),
+    "checkback": LazyCommand(
+        "outbox.prepared.cli",
+        "checkback",
+        "Check prepared messages with MODULE:REGISTRY's checkers until stopped.",
+    ),
+    "prepared": LazyCommand(
+        "outbox.prepared.cli",
+        "prepared",
+        "Inspect prepared messages; commit or roll back those waiting for a verdict.",
     ),
     "dev": LazyCommand(
         "outbox.devstack.cli",
@@ -189,8 +209,10 @@ def purge(
 ) -> None:
     """Delete sent rows older than --older-than, in short batches.
 
-    Refuses a cut-off the nightly reconciliation may still read (the previous UTC day, with
-    its grace period) unless --ignore-audit-window is given.
+    Prepared messages rolled back before the cut-off go too (they were never published);
+    prepared messages waiting for a verdict never do. Refuses a cut-off the nightly
+    reconciliation may still read (the previous UTC day, with its grace period) unless
+    --ignore-audit-window is given.
     """
     from datetime import UTC
 
@@ -219,8 +241,8 @@ def purge(
     finally:
         engine.dispose()
     what = (
-        f"sent rows older than {older_than} "
-        f"(created and sent before {cutoff:%Y-%m-%d %H:%M:%S} UTC)"
+        f"sent and rolled-back rows older than {older_than} "
+        f"(created and sent, or rolled back, before {cutoff:%Y-%m-%d %H:%M:%S} UTC)"
     )
     if dry_run:
         click.echo(f"would delete {count} {what}; dry run, nothing deleted")
@@ -258,16 +280,11 @@ def dead() -> None:
 @contextmanager
 def _dead_store(database_url: str, schema: str, table: str) -> Iterator[tuple[Any, Any]]:
     """An engine (disposed afterwards, whatever happens) and the table's named queries."""
-    import sqlalchemy as sa
-
     from outbox.queries import Queries
 
     queries = Queries(table_spec(schema, table))
-    engine = sa.create_engine(database_url)
-    try:
+    with database_engine(database_url) as engine:
         yield engine, queries
-    finally:
-        engine.dispose()
 
 
 @dead.command("list")
@@ -317,12 +334,7 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
 
 
 def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
-    @DATABASE_URL
-    @SCHEMA
-    @TABLE
-    @click.option("--topic", default=None, help="Only this topic's dead messages.")
-    @click.option("--all", "everything", is_flag=True, help="Every dead message.")
-    @click.argument("message_ids", nargs=-1, type=click.UUID)
+    @message_selection("Only this topic's dead messages.", "Every dead message.")
     def command(
         database_url: str,
         schema: str,

@@ -1,9 +1,11 @@
-"""Options shared by the ``outbox`` sub-commands (the relay's and the reconciliation's)."""
+"""Options shared by the ``outbox`` sub-commands (the relay's, the reconciliation's, the
+inbox's and check-back's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -11,7 +13,11 @@ from outbox.errors import OutboxError
 from outbox.redaction import mask_secrets
 from outbox.schema import OutboxTableSpec
 
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 DATABASE_URL = click.option(
     "--database-url",
@@ -36,6 +42,63 @@ TABLE = click.option(
     show_default=True,
     help="Name of the outbox table",
 )
+
+
+LOG_LEVEL = click.option(
+    "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
+)
+
+
+def metrics_options(env_prefix: str) -> Callable[[Any], Any]:
+    """``--metrics-port`` and ``--metrics-host`` of a daemon, read from
+    ``<env_prefix>_METRICS_PORT`` and ``<env_prefix>_METRICS_HOST`` too."""
+    port = click.option(
+        "--metrics-port",
+        type=int,
+        default=None,
+        envvar=f"{env_prefix}_METRICS_PORT",
+        show_envvar=True,
+        help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
+    )
+    host = click.option(
+        "--metrics-host",
+        default="127.0.0.1",
+        show_default=True,
+        envvar=f"{env_prefix}_METRICS_HOST",
+        show_envvar=True,
+        help="Address the metrics and health server listens on (0.0.0.0 in a container).",
+    )
+    return lambda command: port(host(command))
+
+
+def message_selection(topic_help: str, all_help: str) -> Callable[[F], F]:
+    """The options of a command that acts on messages of the outbox table: the table,
+    ``--topic``, ``--all`` and the ids given as arguments (``message_ids``)."""
+
+    def apply(command: F) -> F:
+        for decorator in reversed(
+            (
+                DATABASE_URL,
+                SCHEMA,
+                TABLE,
+                click.option("--topic", default=None, help=topic_help),
+                click.option("--all", "everything", is_flag=True, help=all_help),
+                click.argument("message_ids", nargs=-1, type=click.UUID),
+            )
+        ):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+def modules_from_working_directory() -> None:
+    """Let a MODULE:ATTRIBUTE argument name a module in the working directory, as
+    ``python -m`` does."""
+    import sys
+
+    if "." not in sys.path and "" not in sys.path:
+        sys.path.insert(0, "")
 
 
 def bootstrap_servers_option(*, required: bool) -> Callable[[Any], Any]:
@@ -132,4 +195,22 @@ def run_db_step(step: Callable[[], T]) -> T:
         raise click.ClickException(str(exc)) from exc
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        if getattr(getattr(exc, "orig", None), "sqlstate", None) == "42703":  # undefined_column
+            raise click.ClickException(
+                f"the table is older than this version of outbox ({mask_secrets(reason)}): "
+                "run `outbox db upgrade`"
+            ) from exc
         raise click.ClickException(f"database error: {mask_secrets(reason)}") from exc
+
+
+@contextmanager
+def database_engine(database_url: str, **options: Any) -> Iterator[sa.Engine]:
+    """An engine for one command (``options`` go to ``create_engine``), disposed afterwards
+    whatever happens."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(database_url, **options)
+    try:
+        yield engine
+    finally:
+        engine.dispose()

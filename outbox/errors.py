@@ -45,3 +45,18 @@ class OutboxTableMissing(OutboxError):
 
 class PermissionDenied(OutboxError):
     """The database role lacks a privilege the operation needs (the message names it)."""
+
+
+class NotPrepared(OutboxError):
+    """A commit or rollback found no prepared message to decide: there is none with that id,
+    or it was already decided the other way (``status`` says where it stands)."""
+
+    def __init__(self, text: str, *, message_id: object = None, status: str | None = None):
+        super().__init__(text)
+        self.message_id = message_id
+        self.status = status
+
+
+class InvalidAnswer(OutboxError, ValueError):
+    """A local transaction or a checker answered something other than COMMIT, ROLLBACK or
+    UNKNOWN; the message stays prepared."""

@@ -1,9 +1,11 @@
-"""The HTTP endpoints a daemon (the relay, an inbox consumer) serves: /metrics for
-Prometheus, /healthz (liveness) and /readyz (readiness)."""
+"""The HTTP endpoints a daemon (the relay, an inbox consumer, a check-back runner) serves:
+/metrics for Prometheus, /healthz (liveness) and /readyz (readiness)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
@@ -60,3 +62,20 @@ def serve(
     server = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
     return server
+
+
+@contextmanager
+def serving(
+    host: str, port: int | None, registry: CollectorRegistry, health: Health, name: str
+) -> Iterator[ThreadingHTTPServer | None]:
+    """:func:`serve` for the length of the block, then shut down; no server when ``port`` is
+    None."""
+    if port is None:
+        yield None
+        return
+    server = serve(host, port, registry, health, name)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -251,7 +251,7 @@ class Outbox:
                 return [PublishResult(m.id) for m in encoded]
             return self._write_keyed(conn, encoded, savepoint, leased)
         except exc.ProgrammingError as error:
-            translated = _translate(error, self.spec)
+            translated = translate_table_error(error, self.spec)
             if translated is None:
                 raise
             raise translated from error
@@ -468,7 +468,8 @@ def _forget_ids(session: Session) -> None:
     session.info.pop(_SESSION_IDS_KEY, None)
 
 
-def _translate(error: exc.ProgrammingError, spec: OutboxTableSpec) -> OutboxError | None:
+def translate_table_error(error: exc.ProgrammingError, spec: OutboxTableSpec) -> OutboxError | None:
+    """The outbox error for a write refused because the table is missing or not writable."""
     code = getattr(error.orig, "sqlstate", None)
     if code == "42P01":  # undefined_table
         return OutboxTableMissing(

@@ -1,4 +1,5 @@
-"""Deleting sent rows once they are old enough, in short batches.
+"""Deleting sent rows (and rolled-back prepared messages) once they are old enough, in short
+batches. Prepared messages still waiting for a verdict are never deleted.
 
 Purged rows can no longer be checked against the topics: a reconciliation that still reads
 their time would report their records as phantoms. :func:`audit_horizon` says how far back the
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 
 from outbox.errors import ConfigError
 from outbox.queries import Queries
-from outbox.schema import SENT, OutboxTableSpec
+from outbox.schema import ROLLED_BACK, SENT, OutboxTableSpec
 
 #: The slack the nightly reconciliation reads at each edge of the day it audits (the
 #: ``--grace`` default of ``outbox reconcile``, ``AuditWindow.grace``): rows
@@ -51,7 +52,9 @@ def purge_sent(
     now: datetime | None = None,
     dry_run: bool = False,
 ) -> int:
-    """Delete sent rows that were created and sent more than ``older_than`` ago.
+    """Delete sent rows that were created and sent more than ``older_than`` ago, and prepared
+    messages rolled back that long ago (they were never published). Prepared messages waiting
+    for a verdict are never deleted.
 
     Each batch of at most ``batch_size`` rows is its own short transaction (rows locked by a
     sender are skipped), so the table is never locked for long. Returns the number deleted;
@@ -83,7 +86,8 @@ def purge_sent(
 def count_purgeable(
     engine: sa.Engine, cutoff: datetime, *, spec: OutboxTableSpec | None = None
 ) -> int:
-    """How many sent rows were created and sent before ``cutoff`` (what a purge would take)."""
+    """How many rows a purge up to ``cutoff`` would take: sent rows created and sent before
+    it, and rolled-back ones created and rolled back before it."""
     table = (spec or OutboxTableSpec()).table_obj
     # The same conditions as the purge_sent query; the id bound lets the primary key serve it.
     query = (
@@ -91,8 +95,10 @@ def count_purgeable(
         .select_from(table)
         .where(
             table.c.id < uuid7_floor(cutoff),
-            table.c.status == SENT,
-            table.c.sent_at < cutoff,
+            sa.or_(
+                sa.and_(table.c.status == SENT, table.c.sent_at < cutoff),
+                sa.and_(table.c.status == ROLLED_BACK, table.c.resolved_at < cutoff),
+            ),
         )
     )
     with engine.connect() as conn:

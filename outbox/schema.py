@@ -24,6 +24,10 @@ SHARD_COUNT = 16
 MAX_TABLE_NAME = 40
 
 PENDING, SENT, DEAD = "pending", "sent", "dead"
+#: A prepared message waits, invisible to the relay, for its producer (or a check-back) to
+#: commit it (it becomes pending) or roll it back (rolled_back, final): see
+#: docs/prepared-messages.md.
+PREPARED, ROLLED_BACK = "prepared", "rolled_back"
 
 #: Tighter per-table autovacuum settings for the outbox table, measured against PostgreSQL's
 #: defaults by ``bench/table_health.py``: every message is inserted and then updated (or
@@ -34,7 +38,7 @@ PENDING_AUTOVACUUM: dict[str, float | int] = {
     "autovacuum_vacuum_insert_scale_factor": 0.01,
     "autovacuum_analyze_scale_factor": 0.02,
 }
-STATUSES = (PENDING, SENT, DEAD)
+STATUSES = (PENDING, SENT, DEAD, PREPARED, ROLLED_BACK)
 
 
 def shard_of(key: bytes | None, message_id: uuid.UUID) -> int:
@@ -107,6 +111,10 @@ class OutboxTableSpec:
         return f"{self.table}_idempotency_key_idx"
 
     @property
+    def prepared_index(self) -> str:
+        return f"{self.table}_prepared_idx"
+
+    @property
     def version_table(self) -> str:
         """Alembic's version table for the outbox's own migration history."""
         return f"{self.table}_alembic_version"
@@ -150,7 +158,23 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
         # Bumped each time repair puts a sent row back to pending; an exactly-once progress
         # record vouches only for the generation it sent.
         sa.Column("generation", sa.Integer, nullable=False, server_default="0"),
-        sa.CheckConstraint("status IN ('pending', 'sent', 'dead')", name=f"{name}_status_check"),
+        # Prepared messages (revision 0004): when the message was prepared (NULL for a plain
+        # one), the name its checker is registered under, when it is checked next, every check
+        # (count, time, answer, error) and how it ended (committed or rolled back, when, by
+        # whom: producer, check, expired, operator).
+        sa.Column("prepared_at", tz),
+        sa.Column("check_group", sa.Text),
+        sa.Column("next_check_at", tz),
+        sa.Column("check_count", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("last_checked_at", tz),
+        sa.Column("last_check_answer", sa.Text),
+        sa.Column("last_check_error", sa.Text),
+        sa.Column("resolved_at", tz),
+        sa.Column("resolved_by", sa.Text),
+        sa.CheckConstraint(
+            "status IN ('pending', 'sent', 'dead', 'prepared', 'rolled_back')",
+            name=f"{name}_status_check",
+        ),
         # Only pending rows are indexed for the relay's scan, so it stays small however many
         # sent rows pile up.
         sa.Index(
@@ -168,6 +192,14 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
             "key",
             "seq",
             postgresql_where=sa.text("status = 'pending' AND next_attempt_at IS NOT NULL"),
+        ),
+        # Prepared rows only (few), by check group in the order the check-back runners take
+        # them: a runner's claim reads its own groups' due rows, not every group's.
+        sa.Index(
+            f"{name}_prepared_idx",
+            "check_group",
+            "next_check_at",
+            postgresql_where=sa.text("status = 'prepared'"),
         ),
         sa.Index(
             f"{name}_idempotency_key_idx",

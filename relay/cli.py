@@ -14,10 +14,12 @@ import click
 
 from outbox.cli_options import (
     DATABASE_URL,
+    LOG_LEVEL,
     SCHEMA,
     TABLE,
     bootstrap_servers_option,
     kafka_settings_option,
+    metrics_options,
     parse_key_values,
     run_db_step,
     table_spec,
@@ -97,22 +99,7 @@ from outbox.redaction import mask_secrets
     hidden=True,  # accepted for existing deployments: the relay no longer leases rows
     help="No longer used: the relay reads its shards' rows without leasing them.",
 )
-@click.option(
-    "--metrics-port",
-    type=int,
-    default=None,
-    envvar="OUTBOX_RELAY_METRICS_PORT",
-    show_envvar=True,
-    help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
-)
-@click.option(
-    "--metrics-host",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="OUTBOX_RELAY_METRICS_HOST",
-    show_envvar=True,
-    help="Address the metrics and health server listens on (0.0.0.0 in a container).",
-)
+@metrics_options("OUTBOX_RELAY")
 @click.option(
     "--transactional-id-prefix",
     default=None,
@@ -155,9 +142,7 @@ from outbox.redaction import mask_secrets
     "(starting or restarting); a wrong password, a missing table or missing privileges "
     "fail at once.",
 )
-@click.option(
-    "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
-)
+@LOG_LEVEL
 def relay(
     database_url: str,
     schema: str,

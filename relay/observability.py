@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 from http.server import ThreadingHTTPServer
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox import health_server
 
-# Re-exported: the relay masks what it logs with the library's one implementation.
+# Re-exported: the relay logs with the library's one JSON formatter and masks secrets with its
+# one implementation.
+from outbox.logs import JsonFormatter as JsonFormatter
+from outbox.logs import configure_logging as configure_logging
 from outbox.redaction import mask_secrets as mask_secrets
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and any ``extra=`` fields."""
-
-    _standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": mask_secrets(record.getMessage()),
-        }
-        for key, value in record.__dict__.items():
-            if key not in self._standard and not key.startswith("_"):
-                entry[key] = mask_secrets(value) if isinstance(value, str) else value
-        if record.exc_info:
-            entry["error"] = mask_secrets(self.formatException(record.exc_info))
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    handler.formatter.converter = time.gmtime  # type: ignore[union-attr]
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 class RelayMetrics:

@@ -21,6 +21,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
+from outbox.schema import DEAD, PENDING, PREPARED, ROLLED_BACK, SENT
 from outbox.spark_jobs import classes
 from outbox.spark_jobs.window import AuditWindow
 
@@ -148,7 +149,10 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
     recorded = F.concat_ws(
         "/", o["topic"], o["kafka_partition"].cast("string"), o["kafka_offset"].cast("string")
     )
-    sent = o["status"] == "sent"
+    sent = o["status"] == SENT
+    # A prepared message is not committed (yet); a rolled-back one never was: a record of
+    # either on a topic is a phantom, as much as one without a row.
+    uncommitted = o["status"].isin(PREPARED, ROLLED_BACK)
     checkable = sent & (o["sent_at"] < F.lit(rules.checked_until))
     on_own_topic = F.exists(copies, lambda c: c["topic"] == o["topic"])
     at_recorded = F.exists(
@@ -167,7 +171,16 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
             F.concat(F.lit("recorded at "), recorded, F.lit(", on no topic")),
         ),
         DUPLICATE: (count > 1, F.concat(count.cast("string"), F.lit(" copies: "), found_at)),
-        PHANTOM: (o.isNull() & (count > 0), F.concat(F.lit("no outbox row; at "), found_at)),
+        PHANTOM: (
+            (o.isNull() | uncommitted) & (count > 0),
+            F.concat(
+                F.when(o.isNull(), F.lit("no outbox row"))
+                .when(o["status"] == ROLLED_BACK, F.lit("rolled back"))
+                .otherwise(F.lit("prepared, not committed")),
+                F.lit("; at "),
+                found_at,
+            ),
+        ),
         PAYLOAD_MISMATCH: (
             o.isNotNull()
             & F.exists(copies, lambda c: ~c["value_hash"].eqNullSafe(o["value_hash"])),
@@ -187,7 +200,8 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
             F.concat(F.lit("recorded at "), recorded, F.lit(", found at "), found_at),
         ),
         STUCK: (
-            o["status"].isin("pending", "dead") & (waited > rules.stuck_after.total_seconds()),
+            o["status"].isin(PENDING, DEAD, PREPARED)
+            & (waited > rules.stuck_after.total_seconds()),
             F.concat(
                 o["status"], F.lit(" for "), F.round(waited).cast("long").cast("string"), F.lit("s")
             ),
@@ -289,7 +303,8 @@ def duplicates(matched: DataFrame, rules: AuditRules) -> DataFrame:
 
 
 def phantoms(matched: DataFrame, rules: AuditRules) -> DataFrame:
-    """Records carrying an outbox id that has no committed outbox row."""
+    """Records carrying an outbox id that has no committed outbox row: no row at all, or a
+    prepared message not committed (yet), or one rolled back."""
     return find(matched, rules, [PHANTOM])
 
 
@@ -309,12 +324,15 @@ def offset_mismatches(matched: DataFrame, rules: AuditRules) -> DataFrame:
 
 
 def stuck(matched: DataFrame, rules: AuditRules) -> DataFrame:
-    """Pending or dead for longer than ``rules.stuck_after``."""
+    """Pending, dead or prepared (waiting for a verdict) for longer than
+    ``rules.stuck_after``: a prepared message counts from when it was prepared, a committed
+    one from its commit."""
     return find(matched, rules, [STUCK])
 
 
 def late(matched: DataFrame, rules: AuditRules) -> DataFrame:
-    """Sent, but later after commit than ``rules.late_after`` allows."""
+    """Sent, but later after commit than ``rules.late_after`` allows (a prepared message's
+    commit is its own, not its prepare: ``created_at`` is set to it)."""
     return find(matched, rules, [LATE])
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from confluent_kafka import Producer
 from outbox.devstack.procs import free_port
 from outbox.inbox import ConsumerConfig, Inbox, InboxRunner, install
 from tests.inbox_app import LEDGER_DDL
-from tests.relay_helpers import STARTED, RelayProcess, wait_for
+from tests.relay_helpers import STARTED, RelayProcess, running_in_thread, wait_for
 
 
 def prepare_database(url: str) -> sa.Engine:
@@ -118,17 +116,8 @@ def consumer_config(url: str, bootstrap: str, **overrides: Any) -> ConsumerConfi
     return ConsumerConfig(**options)
 
 
-@contextmanager
-def running_consumer(inbox: Inbox, config: ConsumerConfig) -> Iterator[InboxRunner]:
-    runner = InboxRunner(inbox, config)
-    thread = threading.Thread(target=runner.run, name="test-inbox", daemon=True)
-    thread.start()
-    try:
-        yield runner
-    finally:
-        runner.stop()
-        thread.join(60)
-        assert not thread.is_alive(), "consumer did not stop"
+def running_consumer(inbox: Inbox, config: ConsumerConfig) -> AbstractContextManager[InboxRunner]:
+    return running_in_thread(InboxRunner(inbox, config), "consumer")
 
 
 class ConsumerProcess(RelayProcess):

@@ -11,9 +11,9 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 
@@ -39,17 +39,30 @@ def relay_config(database_url: str, bootstrap: str, **overrides: Any) -> RelayCo
     return RelayConfig(**options)
 
 
+R = TypeVar("R", bound="Runs")
+
+
+class Runs(Protocol):
+    def run(self) -> int: ...
+
+    def stop(self) -> None: ...
+
+
 @contextmanager
-def running_relay(config: RelayConfig) -> Iterator[Relay]:
-    relay = Relay(config)
-    thread = threading.Thread(target=relay.run, name="test-relay", daemon=True)
+def running_in_thread(loop: R, name: str) -> Iterator[R]:
+    """``loop.run()`` in a thread for the length of the block; stopped and joined after."""
+    thread = threading.Thread(target=loop.run, name=f"test-{name}", daemon=True)
     thread.start()
     try:
-        yield relay
+        yield loop
     finally:
-        relay.stop()
+        loop.stop()
         thread.join(60)
-        assert not thread.is_alive(), "relay did not stop"
+        assert not thread.is_alive(), f"{name} did not stop"
+
+
+def running_relay(config: RelayConfig) -> AbstractContextManager[Relay]:
+    return running_in_thread(Relay(config), "relay")
 
 
 class RelayProcess(subprocess.Popen[bytes]):

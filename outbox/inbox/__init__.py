@@ -19,14 +19,14 @@ again finds its row and is skipped, so its effects happen once. See docs/inbox.m
 
 from __future__ import annotations
 
-from outbox.inbox.api import BY_OFFSET, PARK, Inbox, InboxMessage, RawRecord, load_inbox
-from outbox.inbox.config import ConsumerConfig
-from outbox.inbox.decoding import (
+from outbox.decoding import (
     BytesDeserializer,
     Deserializer,
     JsonDeserializer,
     UndecodableValue,
 )
+from outbox.inbox.api import BY_OFFSET, PARK, Inbox, InboxMessage, RawRecord, load_inbox
+from outbox.inbox.config import ConsumerConfig
 from outbox.inbox.migrate import declare_inbox, install
 from outbox.inbox.runner import InboxRunner
 from outbox.inbox.schema import InboxTableSpec

@@ -22,8 +22,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from outbox.decoding import Deserializer, JsonDeserializer, last_header
 from outbox.errors import ConfigError
-from outbox.inbox.decoding import Deserializer, JsonDeserializer
+from outbox.loading import load_target, register_once
 from outbox.message import ID_HEADER
 from outbox.validation import validate_topic
 
@@ -47,11 +48,7 @@ class InboxMessage:
 
     def header(self, name: str) -> bytes | None:
         """The last value of header ``name``, or None."""
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
+        return last_header(self.headers, name)
 
 
 @dataclass(frozen=True)
@@ -132,21 +129,14 @@ class Inbox:
 
     def add_handler(self, fn: Callable[..., Any], *topics: str) -> None:
         """Register ``fn`` for ``topics`` (what :meth:`handler` does)."""
-        if not callable(fn):
-            raise ConfigError(f"handler must be callable, got {type(fn).__name__}")
-        if not topics:
-            raise ConfigError("name at least one topic for the handler")
-        if self._handlers and self.is_async != inspect.iscoroutinefunction(fn):
+        if callable(fn) and self._handlers and self.is_async != inspect.iscoroutinefunction(fn):
             raise ConfigError(
                 "an inbox's handlers must be all sync or all async (one session kind per "
                 "transaction); use two inboxes with two consumer groups to mix them"
             )
-        for topic in topics:
-            validate_topic(topic)
-            if topic in self._handlers:
-                raise ConfigError(f"topic {topic!r} already has a handler")
-        for topic in topics:
-            self._handlers[topic] = fn
+        register_once(
+            self._handlers, fn, topics, validate=validate_topic, what="handler", name_kind="topic"
+        )
 
     @property
     def topics(self) -> list[str]:
@@ -201,18 +191,7 @@ class Inbox:
 
 def load_inbox(target: str) -> Inbox:
     """``"package.module:name"`` -> the :class:`Inbox` object it names."""
-    import importlib
-
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ConfigError(f"{target!r} is not module:attribute (e.g. myapp.handlers:inbox)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name}: {exc}") from exc
-    found: Any = module
-    for part in attribute.split("."):
-        found = getattr(found, part, None)
+    found = load_target(target, "myapp.handlers:inbox")
     if not isinstance(found, Inbox):
         raise ConfigError(f"{target} is not an outbox.inbox.Inbox (got {type(found).__name__})")
     if not found.topics:

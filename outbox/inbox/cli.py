@@ -13,8 +13,12 @@ import click
 
 from outbox.cli_options import (
     DATABASE_URL,
+    LOG_LEVEL,
     bootstrap_servers_option,
+    database_engine,
     kafka_settings_option,
+    metrics_options,
+    modules_from_working_directory,
     parse_key_values,
     run_db_step,
 )
@@ -95,24 +99,8 @@ def _spec(schema: str, table: str) -> Any:
     show_envvar=True,
     help="Purge inbox rows older than this (14d, 2w, ...) every hour; see docs/inbox.md.",
 )
-@click.option(
-    "--metrics-port",
-    type=int,
-    default=None,
-    envvar="OUTBOX_CONSUME_METRICS_PORT",
-    show_envvar=True,
-    help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
-)
-@click.option(
-    "--metrics-host",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="OUTBOX_CONSUME_METRICS_HOST",
-    show_envvar=True,
-)
-@click.option(
-    "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
-)
+@metrics_options("OUTBOX_CONSUME")
+@LOG_LEVEL
 def consume(
     target: str,
     database_url: str,
@@ -157,8 +145,7 @@ def consume(
         age = parse_duration(retention) if retention else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--retention") from exc
-    if "." not in sys.path and "" not in sys.path:
-        sys.path.insert(0, "")  # MODULE is looked up from the working directory too
+    modules_from_working_directory()
     try:
         inbox = load_inbox(target)
         config = ConsumerConfig(
@@ -283,16 +270,11 @@ def purge(
 
 @contextmanager
 def _store(database_url: str, schema: str, table: str) -> Iterator[tuple[Any, Any]]:
-    import sqlalchemy as sa
-
     from outbox.inbox.store import InboxStore
 
     store = InboxStore(_spec(schema, table))
-    engine = sa.create_engine(database_url)
-    try:
+    with database_engine(database_url) as engine:
         yield engine, store
-    finally:
-        engine.dispose()
 
 
 @inbox.group()

@@ -7,12 +7,11 @@ database and Kafka) on one small HTTP server thread.
 from __future__ import annotations
 
 import time
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from outbox import health_server
+from outbox.loops import LoopHealth
 
 
 class InboxMetrics:
@@ -76,17 +75,14 @@ class InboxMetrics:
 KAFKA_CALL_LIMIT = 5.0
 
 
-class InboxHealth:
-    """What the health endpoints report; the runner updates it."""
+class InboxHealth(LoopHealth):
+    """What the health endpoints report; the runner updates it. Ready also needs Kafka."""
 
     def __init__(self, stale_after: float = 60.0) -> None:
-        self.stale_after = stale_after
-        self.last_tick = time.monotonic()
-        self.database_ok = False
+        super().__init__(stale_after)
         self._kafka_ok = False
         #: When the blocking Kafka call in progress began (None: none in progress).
         self.kafka_call_since: float | None = None
-        self.stopping = False
 
     @property
     def kafka_ok(self) -> bool:
@@ -98,30 +94,5 @@ class InboxHealth:
     def kafka_ok(self, value: bool) -> None:
         self._kafka_ok = value
 
-    def tick(self) -> None:
-        self.last_tick = time.monotonic()
-
-    @property
-    def alive(self) -> bool:
-        return time.monotonic() - self.last_tick < self.stale_after
-
-    @property
-    def ready(self) -> bool:
-        return self.alive and self.database_ok and self.kafka_ok and not self.stopping
-
-    def not_alive_because(self) -> str:
-        return "stalled"
-
-    def not_ready_because(self) -> str:
-        reasons = (
-            ("stopping", self.stopping),
-            ("not alive", not self.alive),
-            ("database out of reach", not self.database_ok),
-            ("Kafka out of reach", not self.kafka_ok),
-        )
-        return ", ".join(reason for reason, bad in reasons if bad)
-
-
-def serve(host: str, port: int, metrics: InboxMetrics, health: InboxHealth) -> ThreadingHTTPServer:
-    """Serve /metrics, /healthz and /readyz on a daemon thread; ``shutdown()`` stops it."""
-    return health_server.serve(host, port, metrics.registry, health, "inbox-metrics")
+    def ready_problems(self) -> list[str]:
+        return super().ready_problems() + ([] if self.kafka_ok else ["Kafka out of reach"])

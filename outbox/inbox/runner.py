@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from outbox import health_server
 from outbox.errors import ConfigError
 from outbox.inbox.api import Inbox, RawRecord
 from outbox.inbox.apply import (
@@ -45,8 +45,9 @@ from outbox.inbox.apply import (
     prepare,
 )
 from outbox.inbox.config import ConsumerConfig
-from outbox.inbox.metrics import InboxHealth, InboxMetrics, serve
+from outbox.inbox.metrics import InboxHealth, InboxMetrics
 from outbox.inbox.store import InboxStore
+from outbox.loops import Stoppable
 
 log = logging.getLogger("outbox.inbox")
 
@@ -55,9 +56,10 @@ TP = tuple[str, int]
 _BROKER_DOWN = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}
 
 
-class InboxRunner:
+class InboxRunner(Stoppable):
     """Runs an :class:`~outbox.inbox.Inbox` until :meth:`stop` (or SIGTERM with
-    :meth:`install_signal_handlers`).
+    :meth:`install_signal_handlers`): :meth:`stop` finishes the batch in hand, commits its
+    offsets and leaves the group.
 
     Embed it in a service with a thread::
 
@@ -66,6 +68,8 @@ class InboxRunner:
         ...
         runner.stop()  # finishes the batch in hand, commits, leaves the group
     """
+
+    health: InboxHealth
 
     def __init__(
         self, inbox: Inbox, config: ConsumerConfig, *, metrics: InboxMetrics | None = None
@@ -88,33 +92,30 @@ class InboxRunner:
         self._assigned: set[TP] = set()
         self._commit_failing = False
 
-    # -- control ------------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Finish the batch in hand, commit its offsets and leave the group."""
-        self.health.stopping = True
-        self._stop.set()
-
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self) -> int:
         """Consume until stopped; returns the process exit code (0)."""
-        server = None
-        if self.config.metrics_port is not None:
-            server = serve(
-                self.config.metrics_host, self.config.metrics_port, self.metrics, self.health
-            )
-            self.metrics_address = server.server_address[:2]  # type: ignore[assignment]
+        with health_server.serving(
+            self.config.metrics_host,
+            self.config.metrics_port,
+            self.metrics.registry,
+            self.health,
+            "inbox-metrics",
+        ) as server:
+            if server is not None:
+                self.metrics_address = server.server_address[:2]  # type: ignore[assignment]
+            self._run()
+        log.info("inbox consumer stopped", extra={"group": self.inbox.group})
+        return 0
+
+    def _run(self) -> None:
         engine = sa.create_engine(self.config.database_url, pool_pre_ping=True)
         applier: SyncApplier | AsyncApplier | None = None
         consumer: Consumer | None = None
         try:
-            if not self._wait_for_tables(engine):
-                return 0
+            if not self.wait_for_database(lambda: self._tables_problem(engine), self._backoff, log):
+                return
             if self.inbox.is_async:
                 applier = AsyncApplier(
                     self.config.database_url,
@@ -143,11 +144,6 @@ class InboxRunner:
             if isinstance(applier, AsyncApplier):
                 applier.close()
             engine.dispose()
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-        log.info("inbox consumer stopped", extra={"group": self.inbox.group})
-        return 0
 
     def _loop(self, consumer: Consumer, applier: Any, engine: sa.Engine) -> None:
         next_requeue = time.monotonic()
@@ -328,26 +324,9 @@ class InboxRunner:
         if deleted:
             log.info("inbox rows purged", extra={"deleted": deleted})
 
-    def _wait_for_tables(self, engine: sa.Engine) -> bool:
-        """Wait while the database is out of reach; refuse missing tables at once."""
-        attempt = 0
-        while not self._stop.is_set():
-            try:
-                with engine.connect() as conn:
-                    problem = self.store.check(conn)
-            except (sa.exc.DBAPIError, OSError) as exc:
-                self.health.tick()
-                attempt += 1
-                log.warning(
-                    "database unavailable at start", extra={"error": str(exc).splitlines()[0]}
-                )
-                self._stop.wait(self._backoff(attempt))
-                continue
-            if problem:
-                raise ConfigError(problem)
-            self.health.database_ok = True
-            return True
-        return False
+    def _tables_problem(self, engine: sa.Engine) -> str | None:
+        with engine.connect() as conn:
+            return self.store.check(conn)
 
     def _backoff(self, attempts: int) -> float:
         ceiling = min(self.config.backoff_max, self.config.backoff_base * 2 ** (attempts - 1))

@@ -115,14 +115,15 @@ DELETE FROM {table}
    AND (CAST(:owner AS text) IS NULL OR lease_owner = :owner);
 
 -- name: purge_sent
--- Delete one batch of sent rows created and sent before the cutoff (the UUIDv7 id bounds
--- the creation time, so the primary key index finds them).
+-- Delete one batch of rows that are done, from before the cutoff: sent rows created and sent
+-- before it, and prepared messages rolled back before it (never published). Prepared rows are
+-- never deleted. The UUIDv7 id bounds the creation time, so the primary key index finds them.
 WITH doomed AS (
     SELECT id
       FROM {table}
      WHERE id < :cutoff_id
-       AND status = 'sent'
-       AND sent_at < :cutoff
+       AND ((status = 'sent' AND sent_at < :cutoff)
+            OR (status = 'rolled_back' AND resolved_at < :cutoff))
      ORDER BY id
      LIMIT :batch_size
        FOR UPDATE SKIP LOCKED)
@@ -263,16 +264,20 @@ SELECT id, topic, key, attempts, error_kind, last_error, created_at
 -- One row, whole.
 SELECT id, seq, shard, topic, key, value, content_type, header_names, header_values,
        idempotency_key, status, attempts, next_attempt_at, lease_owner, lease_until,
-       error_kind, last_error, created_at, sent_at, kafka_partition, kafka_offset, generation
+       error_kind, last_error, created_at, sent_at, kafka_partition, kafka_offset, generation,
+       prepared_at, check_group, check_count, next_check_at, last_checked_at,
+       last_check_answer, last_check_error, resolved_at, resolved_by
   FROM {table}
  WHERE id = :id;
 
 -- name: retry_dead
 -- Put dead rows back to pending (all, one topic, or the given ids), with a fresh attempt count.
+-- Prepared messages that check-back left dead ('unresolved') are not among them: nobody knows
+-- whether their business step happened; `outbox prepared commit/rollback` decides them.
 UPDATE {table}
    SET status = 'pending', attempts = 0, next_attempt_at = NULL, error_kind = NULL,
        last_error = NULL, lease_owner = NULL, lease_until = NULL
- WHERE status = 'dead'
+ WHERE status = 'dead' AND error_kind IS DISTINCT FROM 'unresolved'
    AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
    AND (CAST(:topic AS text) IS NULL OR topic = :topic);
 
@@ -297,3 +302,151 @@ UPDATE {table}
        lease_owner = NULL, lease_until = NULL, sent_at = NULL,
        kafka_partition = NULL, kafka_offset = NULL
  WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'sent';
+
+-- Prepared messages (docs/prepared-messages.md). A prepared row has status 'prepared': the
+-- relay and the immediate sender read only pending rows, so it is invisible to them and holds
+-- back nothing. Check-back runners find the rows due a check through <table>_prepared_idx.
+-- A message that check-back gave up on and left dead for an operator has error_kind
+-- 'unresolved'; it may still be committed or rolled back.
+
+-- name: insert_prepared
+-- Prepare one message, due its first check :check_after seconds from now by the checker
+-- registered as :check_group. An idempotency key already stored writes nothing (no row back).
+INSERT INTO {table} (id, shard, topic, key, value, content_type, header_names, header_values,
+                     idempotency_key, status, prepared_at, check_group, next_check_at)
+VALUES (:id, :shard, :topic, :key, :value, :content_type, CAST(:header_names AS text[]),
+        CAST(:header_values AS bytea[]), :idempotency_key, 'prepared', now(), :check_group,
+        now() + make_interval(secs => :check_after))
+ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
+-- name: find_idempotency_key
+-- The message already stored under an idempotency key.
+SELECT id FROM {table} WHERE idempotency_key = :key;
+
+-- name: commit_prepared
+-- Commit one prepared message (run once per id, in the order to keep): it becomes pending and
+-- takes a new seq, so it joins its key's order now, behind every message of the key committed
+-- before it, as a half message becomes visible when it is committed. created_at becomes the
+-- commit's time (prepared_at keeps the prepare's); :by says who decided.
+UPDATE {table}
+   SET status = 'pending', seq = DEFAULT, created_at = now(), resolved_at = now(),
+       resolved_by = :by, next_check_at = NULL, lease_owner = NULL, lease_until = NULL,
+       attempts = 0, next_attempt_at = NULL, error_kind = NULL, last_error = NULL
+ WHERE id = :id
+   AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
+
+-- name: rollback_prepared
+-- Roll prepared messages back, for good: they are never published. :by says who decided.
+-- The idempotency key is given up: a rolled-back message stands for a step that did not
+-- happen, so a later message with the same key (a retry) must not be taken for its duplicate.
+UPDATE {table}
+   SET status = 'rolled_back', resolved_at = now(), resolved_by = :by, next_check_at = NULL,
+       lease_owner = NULL, lease_until = NULL, idempotency_key = NULL
+ WHERE id = ANY(CAST(:ids AS uuid[]))
+   AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
+
+-- name: wake_relays
+-- What the table's insert trigger does (revision 0003), for a statement that makes rows
+-- pending without inserting them: hold the wake lock shared until commit, and have the commit
+-- notify when a sleeping relay holds the lock.
+SELECT pg_notify(:channel, '')
+ WHERE NOT pg_try_advisory_xact_lock_shared(:wake_space, :wake_number);
+
+-- name: prepared_statuses
+-- Where the given messages stand (to explain a commit or rollback that changed nothing).
+SELECT id, status, error_kind, prepared_at, resolved_by
+  FROM {table}
+ WHERE id = ANY(CAST(:ids AS uuid[]));
+
+-- name: claim_due_checks
+-- Check-back: take up to :limit prepared rows of the checkers :groups whose check is due,
+-- longest due first, leased to this runner (:owner) for :lease_seconds so that other runners
+-- leave them alone while they are checked. Rows another runner is claiming are skipped.
+WITH due AS (
+    SELECT id
+      FROM {table}
+     WHERE status = 'prepared' AND next_check_at <= now()
+       AND check_group = ANY(CAST(:groups AS text[]))
+       AND (lease_until IS NULL OR lease_until <= now())
+     ORDER BY next_check_at
+     LIMIT :limit
+       FOR UPDATE SKIP LOCKED)
+UPDATE {table} AS o
+   SET lease_owner = :owner, lease_until = now() + make_interval(secs => :lease_seconds)
+  FROM due
+ WHERE o.id = due.id
+RETURNING o.id, o.topic, o.key, o.value, o.content_type, o.header_names, o.header_values,
+          o.check_group, o.check_count, o.prepared_at,
+          extract(epoch FROM now() - o.prepared_at) AS age_seconds;
+
+-- name: record_checks
+-- Check-back: record one check of each row this runner (:owner) still holds: the count, the
+-- time, the answer (commit, rollback, unknown, error, timeout) with its error, and when to
+-- check again (:delays seconds from now). The lease is given back. Returns the rows recorded,
+-- still prepared, with their new count; the caller then acts on the answers in the same
+-- transaction.
+UPDATE {table} AS o
+   SET check_count = o.check_count + 1,
+       last_checked_at = now(),
+       last_check_answer = c.answer,
+       last_check_error = c.error,
+       next_check_at = now() + make_interval(secs => c.delay),
+       lease_owner = NULL,
+       lease_until = NULL
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:answers AS text[]), CAST(:errors AS text[]),
+              CAST(:delays AS float8[])) AS c (id, answer, error, delay)
+ WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
+   AND o.id = c.id AND o.status = 'prepared' AND o.lease_owner = :owner
+RETURNING o.id, o.check_count;
+
+-- name: expire_prepared
+-- Check-back gives up on prepared rows that had :max_checks checks without a verdict: they end
+-- rolled back (:end_status 'rolled_back') or dead for an operator (:end_status 'dead'), with
+-- the reason. A dead one may still be committed or rolled back. Returns the rows it ended.
+-- A rolled-back one gives up its idempotency key, as rollback_prepared does.
+UPDATE {table}
+   SET status = CAST(:end_status AS text), next_check_at = NULL,
+       idempotency_key = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN NULL
+                              ELSE idempotency_key END,
+       resolved_at = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN now() END,
+       resolved_by = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN 'expired' END,
+       error_kind = 'unresolved',
+       last_error = 'no verdict after ' || check_count || ' checks (last answer: '
+                    || coalesce(last_check_answer, '-') || ')'
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'prepared' AND check_count >= :max_checks
+RETURNING id;
+
+-- name: checkback_access
+-- What a check-back runner needs of the table :name: that it exists, has the columns of
+-- revision 0004, and that the role may SELECT and UPDATE it (one privilege per call: given a
+-- list, PostgreSQL answers true when any one of them is held).
+SELECT t.oid IS NOT NULL AS table_exists,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = t.oid AND attname = 'check_group' AND NOT attisdropped)
+           AS upgraded,
+       t.oid IS NOT NULL AND has_table_privilege(t.oid, 'SELECT')
+           AND has_table_privilege(t.oid, 'UPDATE') AS allowed,
+       current_user AS role
+  FROM (SELECT to_regclass(:name) AS oid) AS t;
+
+-- name: count_prepared
+-- Prepared messages of the checkers :groups: how many, and the age in seconds of the oldest.
+SELECT check_group, count(*) AS prepared,
+       extract(epoch FROM now() - min(prepared_at)) AS oldest
+  FROM {table}
+ WHERE status = 'prepared' AND check_group = ANY(CAST(:groups AS text[]))
+ GROUP BY check_group;
+
+-- name: select_unresolved
+-- Messages waiting for a verdict (prepared, or left dead by check-back), oldest first: the
+-- given ids, one topic's, one check group's, or all, up to :limit.
+SELECT id, topic, key, check_group, status, prepared_at, check_count, last_checked_at,
+       last_check_answer, next_check_at
+  FROM {table}
+ WHERE (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'))
+   AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic)
+   AND (CAST(:check_group AS text) IS NULL OR check_group = :check_group)
+ ORDER BY prepared_at, id
+ LIMIT :limit;

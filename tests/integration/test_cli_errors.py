@@ -23,6 +23,9 @@ COMMANDS = {
     "dead list": ["dead", "list"],
     "dead retry": ["dead", "retry", "--all"],
     "relay": ["relay", "--bootstrap-servers", "127.0.0.1:1", "--start-timeout", "0"],
+    "prepared list": ["prepared", "list"],
+    "prepared rollback": ["prepared", "rollback", "--all"],
+    "checkback": ["checkback", "tests.prepared_app:registry"],
 }
 
 

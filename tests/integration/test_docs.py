@@ -59,6 +59,7 @@ DOC_TOPICS = ("orders", "payments")
 PLACEHOLDERS = (
     "postgresql+psycopg://app:pw@db/shop",
     "postgresql+psycopg://billing:pw@db/billing",
+    "postgresql+psycopg://orders:pw@db/orders",
 )
 
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")

@@ -193,3 +193,67 @@ def test_the_inbox_history_is_a_branch_of_its_own_installed_on_demand(database_u
     inbox_migrate.uninstall(database_url, spec)
     assert "received" not in table_names(database_url, "consumer")
     assert "outbox" in table_names(database_url, "public")
+
+
+def test_revision_0004_holds_the_exclusive_lock_only_for_its_short_alter(
+    database_url: str,
+) -> None:
+    migrate.upgrade(database_url, revision="0003_wake_trigger")
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.connect() as reader:  # a long transaction that read the table
+            reader.execute(sa.text("SELECT count(*) FROM outbox")).scalar()
+            with pytest.raises(Exception, match="stayed locked by another transaction") as failed:
+                migrate.upgrade(database_url)
+            reader.rollback()
+        assert "nothing was changed" in str(failed.value)
+        assert migrate_current(engine) == "0003_wake_trigger"
+        migrate.upgrade(database_url)
+        with engine.connect() as conn:
+            valid = conn.execute(
+                sa.text(
+                    "SELECT c.convalidated, i.indisvalid FROM pg_constraint c, pg_index i "
+                    "WHERE c.conname = 'outbox_status_check' "
+                    "AND i.indexrelid = 'outbox_prepared_idx'::regclass"
+                )
+            ).one()
+        assert tuple(valid) == (True, True)
+    finally:
+        engine.dispose()
+    # The scans run after the commit of the ALTER, outside any transaction.
+    script = (
+        CliRunner()
+        .invoke(
+            main,
+            ["db", "upgrade", "--database-url", database_url, "--sql"],
+        )
+        .output
+    )
+    part = script[script.index("0004") :]
+    alter, commit = part.index("lock_timeout"), part.index("COMMIT")
+    assert alter < commit < part.index("VALIDATE CONSTRAINT")
+    assert commit < part.index("CREATE INDEX CONCURRENTLY")
+
+
+def migrate_current(engine: sa.Engine) -> str:
+    with engine.connect() as conn:
+        return str(conn.execute(sa.text("SELECT version_num FROM outbox_alembic_version")).scalar())
+
+
+def test_downgrade_past_0004_refuses_messages_without_a_verdict(database_url: str) -> None:
+    migrate.upgrade(database_url)
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.begin() as conn:  # left dead by check-back (--on-max-checks dead)
+            conn.execute(
+                sa.text(
+                    "INSERT INTO outbox (id, shard, topic, value, status, error_kind, "
+                    "prepared_at, check_group) VALUES (gen_random_uuid(), 0, 'orders', 'x', "
+                    "'dead', 'unresolved', now(), 'orders')"
+                )
+            )
+        with pytest.raises(Exception, match="left dead without a verdict"):
+            migrate.downgrade(database_url, revision="0003_wake_trigger")
+        assert migrate_current(engine) == "0004_prepared_messages"
+    finally:
+        engine.dispose()

@@ -60,14 +60,17 @@ def purge(url: str, *args: str) -> Result:
 def test_purge_prints_how_many_rows_it_deleted(rows: sa.Engine, outbox_url: str) -> None:
     result = purge(outbox_url, "--older-than", "7d", "--batch-size", "2")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("deleted 3 sent rows older than 7d (created and sent before ")
+    assert result.output.startswith(
+        "deleted 3 sent and rolled-back rows older than 7d "
+        "(created and sent, or rolled back, before "
+    )
     assert counts(rows) == {"sent": 2, "pending": 1}
 
 
 def test_a_dry_run_counts_and_deletes_nothing(rows: sa.Engine, outbox_url: str) -> None:
     result = purge(outbox_url, "--older-than", "7d", "--dry-run")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("would delete 3 sent rows older than 7d")
+    assert result.output.startswith("would delete 3 sent and rolled-back rows older than 7d")
     assert "nothing deleted" in result.output
     assert counts(rows) == {"sent": 5, "pending": 1}
 
@@ -89,7 +92,7 @@ def test_a_dry_run_inside_the_audit_window_says_a_real_run_would_be_refused(
 ) -> None:
     result = purge(outbox_url, "--older-than", "0s", "--dry-run")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("would delete 5 sent rows older than 0s")
+    assert result.output.startswith("would delete 5 sent and rolled-back rows older than 0s")
     assert "a real run would be refused: refusing to purge up to" in result.output
     assert counts(rows) == {"sent": 5, "pending": 1}
 
@@ -97,7 +100,7 @@ def test_a_dry_run_inside_the_audit_window_says_a_real_run_would_be_refused(
 def test_the_override_purges_inside_the_audit_window(rows: sa.Engine, outbox_url: str) -> None:
     result = purge(outbox_url, "--older-than", "0s", "--ignore-audit-window")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("deleted 5 sent rows older than 0s")
+    assert result.output.startswith("deleted 5 sent and rolled-back rows older than 0s")
     assert counts(rows) == {"pending": 1}
 
 
@@ -105,3 +108,24 @@ def test_a_bad_duration_is_refused(outbox_url: str) -> None:
     result = purge(outbox_url, "--older-than", "3 days")
     assert result.exit_code == 2
     assert "not a duration" in result.output
+
+
+def test_purge_and_dead_show_on_a_table_not_upgraded_say_to_upgrade(database_url: str) -> None:
+    from outbox import migrate
+
+    migrate.upgrade(database_url, revision="0003_wake_trigger")
+    engine = sa.create_engine(database_url)
+    try:
+        with Outbox(engine).transaction() as tx:
+            message_id = tx.publish("orders", {"n": 1}).message_id
+    finally:
+        engine.dispose()
+    url = ["--database-url", database_url]
+    for args in (
+        ["purge", "--older-than", "30d", "--ignore-audit-window"],
+        ["dead", "show", str(message_id)],
+    ):
+        result = CliRunner().invoke(main, [*args, *url])
+        assert result.exit_code == 1, result.output
+        assert "older than this version of outbox" in result.output
+        assert "run `outbox db upgrade`" in result.output

@@ -1,5 +1,6 @@
 """The reconciliation job on real PostgreSQL + Kafka + Spark: every injected fault is found,
-nothing else is, the archive sources agree with Kafka, and repair gives a clean second run."""
+nothing else is, the archive sources agree with Kafka, repair gives a clean second run, and
+prepared messages are judged by what became of them."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from outbox import ID_HEADER
+from outbox import ID_HEADER, Outbox
 from outbox.ids import uuid7
+from outbox.prepared import PreparedMessages
 from outbox.spark_jobs import discrepancies as d
 from outbox.spark_jobs.progress import Progress
 from outbox.spark_jobs.reconcile import ReconcileConfig, run
@@ -216,6 +219,19 @@ def test_each_injected_fault_is_found_exactly_from_kafka_and_from_archives(
         assert archived.topic_records == from_kafka.topic_records
 
 
+def reconcile_now(spark, outbox_url: str, bootstrap: str, output: Path, **options: Any):  # type: ignore[no-untyped-def]
+    """One run in this process over the last half hour, read from Kafka."""
+    config = ReconcileConfig(
+        database_url=outbox_url,
+        window=window_around_now(),
+        output=str(output),
+        bootstrap_servers=bootstrap,
+        jdbc_slices=2,
+        **options,
+    )
+    return run(spark, config, Progress(spark.sparkContext, out=io.StringIO()))
+
+
 def reconcile_cli(outbox_url: str, bootstrap: str, output: Path, *extra: str) -> tuple[int, dict]:  # type: ignore[type-arg]
     window = window_around_now()
     result = subprocess.run(
@@ -262,18 +278,7 @@ def test_repair_requeues_missing_messages_once_and_the_next_run_is_clean(
     assert note.startswith("requeued by reconciliation: recorded at ")
 
     # Again before the relay ran: nothing is missing any more, nothing more changes.
-    again = run(
-        spark,
-        ReconcileConfig(
-            database_url=outbox_url,
-            window=window_around_now(),
-            output=str(tmp_path / "again"),
-            bootstrap_servers=bootstrap_servers,
-            repair=True,
-            jdbc_slices=2,
-        ),
-        Progress(spark.sparkContext, out=io.StringIO()),
-    )
+    again = reconcile_now(spark, outbox_url, bootstrap_servers, tmp_path / "again", repair=True)
     assert again.repaired == 0 and again.passed
 
     relay_until_sent(outbox_url, bootstrap_servers, engine, 60)
@@ -288,6 +293,53 @@ def test_repair_requeues_missing_messages_once_and_the_next_run_is_clean(
             sa.text("SELECT verdict, discrepancies, repaired FROM recon_runs ORDER BY started_at")
         ).all()
     assert [tuple(r) for r in runs] == [("fail", 4, 4), ("pass", 0, None)]
+
+
+def test_prepared_messages_rolled_back_yet_on_a_topic_are_phantoms_and_old_ones_stuck(
+    spark, outbox_url, engine, bootstrap_servers, make_topic, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A prepared message committed late is judged from its commit; one rolled back and
+    nowhere, or prepared within the SLA, is fine; one rolled back yet found on its topic (a
+    sender that published it anyway) is a phantom; one prepared past the SLA is stuck.
+    Neither is missing."""
+    topic = make_topic("recon-prep")
+    prepared = PreparedMessages(Outbox(engine))
+    committed, rolled_back, leaked, old, recent = (
+        prepared.prepare(topic, {"n": n}, key=n) for n in range(5)
+    )
+    with engine.begin() as conn:  # prepared two hours ago, and never decided
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET prepared_at = now() - interval '2 hours',"
+                " created_at = now() - interval '2 hours' WHERE id = :i"
+            ),
+            {"i": old.message_id},
+        )
+    committed.commit()
+    rolled_back.rollback()
+    leaked.rollback()
+    relay_until_sent(outbox_url, bootstrap_servers, engine, 1)
+    with engine.connect() as conn:
+        value = conn.execute(
+            sa.text("SELECT value FROM outbox WHERE id = :i"), {"i": leaked.message_id}
+        ).scalar_one()
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    producer.produce(topic, value, b"2", headers=[(ID_HEADER, str(leaked.message_id).encode())])
+    assert producer.flush(30) == 0
+
+    summary = reconcile_now(spark, outbox_url, bootstrap_servers, tmp_path / "run")
+    assert found_ids(spark, str(tmp_path / "run")) == {
+        d.PHANTOM: {str(leaked.message_id)},
+        d.STUCK: {str(old.message_id)},
+    }
+    details = {
+        row["class"]: row.detail
+        for row in spark.read.parquet(str(tmp_path / "run" / "discrepancies")).collect()
+    }
+    assert details[d.PHANTOM].startswith("rolled back; at ")
+    assert details[d.STUCK].startswith("prepared for ")
+    assert summary.outbox_rows == 5 and summary.topic_records == 2
+    assert str(recent.message_id) not in str(details)
 
 
 def test_unreachable_services_and_bad_options_are_one_clear_line(outbox_url, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,4 +1,5 @@
-"""Purging sent rows: only old sent ones, in bounded batches; how far back the audit reads.
+"""Purging sent rows: only old sent ones (and rolled-back prepared messages), in bounded
+batches; how far back the audit reads.
 
 The command line's checks are in test_purge_cli.py.
 """
@@ -11,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Message, Outbox
+from outbox.prepared import PreparedMessages
 from outbox.retention import AUDIT_GRACE, audit_horizon, purge_sent
 from outbox.spark_jobs.window import AuditWindow
 
@@ -71,6 +73,23 @@ def test_a_dry_run_counts_what_a_purge_would_delete(engine: sa.Engine) -> None:
     assert purge_sent(engine, timedelta(seconds=1), now=later, dry_run=True) == 3
     assert counts(engine) == {"pending": 2, "sent": 3}
     assert purge_sent(engine, timedelta(seconds=1), now=later) == 3
+
+
+def test_rolled_back_prepared_messages_go_but_prepared_ones_never(engine: sa.Engine) -> None:
+    prepared = PreparedMessages(Outbox(engine))
+    for n in range(3):
+        prepared.prepare("orders", {"n": n}).rollback()
+    for n in range(2):
+        prepared.prepare("orders", {"n": n})
+    seed(engine, 2)
+    set_status(engine, "sent", 3600, 1)
+    later = datetime.now(UTC) + timedelta(seconds=5)
+    assert purge_sent(engine, timedelta(seconds=1), now=later, dry_run=True) == 4
+    assert purge_sent(engine, timedelta(seconds=1), now=later) == 4
+    assert counts(engine) == {"prepared": 2, "pending": 1}
+    # However old, a message waiting for a verdict stays.
+    assert purge_sent(engine, timedelta(0), now=later + timedelta(days=30)) == 0
+    assert counts(engine) == {"prepared": 2, "pending": 1}
 
 
 @pytest.mark.parametrize(

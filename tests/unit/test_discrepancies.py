@@ -37,6 +37,10 @@ GHOST = mid("ghost")
 EARLY_ROW = mid("early row", WINDOW.start - timedelta(minutes=10))
 EARLY_GHOST = mid("early ghost", WINDOW.start - timedelta(minutes=10))
 DEAD = mid("dead")
+# Prepared messages: rolled back yet on the topic, prepared (not committed) yet on the topic,
+# prepared past the SLA, prepared recently, rolled back and nowhere.
+ROLLED_GHOST, HALF_GHOST = mid("rolled-back ghost"), mid("prepared ghost")
+HALF, HALF_RECENT, ROLLED = mid("prepared"), mid("prepared recently"), mid("rolled back")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,21 @@ def matched(spark):  # type: ignore[no-untyped-def]
             (UNCHECKED, "orders", b"k", "hA", "sent", T0, AS_OF + timedelta(seconds=5), 0, 99),
             # Made in the grace period before the window: read, but not judged.
             (EARLY_ROW, "orders", b"k", "hB", "sent", T0, at(1), 0, 98),
+            (ROLLED_GHOST, "orders", b"k", "hR", "rolled_back", T0, None, None, None),
+            (HALF_GHOST, "orders", b"k", "hP", "prepared", T0, None, None, None),
+            (HALF, "orders", b"k", "hH", "prepared", T0, None, None, None),
+            (
+                HALF_RECENT,
+                "orders",
+                b"k",
+                "hH",
+                "prepared",
+                AS_OF - timedelta(hours=1),
+                None,
+                None,
+                None,
+            ),
+            (ROLLED, "orders", b"k", "hH", "rolled_back", T0, None, None, None),
         ],
         "message_id string, topic string, key binary, value_hash string, status string, "
         "created_at timestamp, sent_at timestamp, kafka_partition int, kafka_offset long",
@@ -78,6 +97,8 @@ def matched(spark):  # type: ignore[no-untyped-def]
             (GHOST, "orders", 0, 12, b"k", "hG", at(1)),
             (EARLY_GHOST, "orders", 0, 13, b"k", "hG", at(1)),
             ("not-a-uuid", "orders", 0, 14, b"k", "hX", at(1)),
+            (ROLLED_GHOST, "orders", 0, 15, b"k", "hR", at(1)),
+            (HALF_GHOST, "orders", 0, 16, b"k", "hP", at(1)),
         ],
         "message_id string, topic string, partition int, offset long, key binary, "
         "value_hash string, timestamp timestamp",
@@ -106,9 +127,18 @@ def test_duplicate_counts_every_copy(matched) -> None:  # type: ignore[no-untype
     ]
 
 
-def test_phantom_is_an_in_window_record_without_a_row(matched) -> None:  # type: ignore[no-untyped-def]
+def test_phantom_is_an_in_window_record_without_a_committed_row(matched) -> None:  # type: ignore[no-untyped-def]
     # A record whose id is not a UUIDv7 is placed in time by its timestamp.
-    assert names(d.phantoms(matched, RULES)) == ["ghost", "not-a-uuid"]
+    rows = {
+        NAMES.get(r.message_id, r.message_id): r.detail
+        for r in d.phantoms(matched, RULES).collect()
+    }
+    assert rows == {
+        "ghost": "no outbox row; at orders/0/12",
+        "not-a-uuid": "no outbox row; at orders/0/14",
+        "rolled-back ghost": "rolled back; at orders/0/15",
+        "prepared ghost": "prepared, not committed; at orders/0/16",
+    }
 
 
 def test_payload_mismatch(matched) -> None:  # type: ignore[no-untyped-def]
@@ -131,9 +161,22 @@ def test_offset_mismatch_only_when_found_elsewhere_on_its_topic(matched) -> None
     ]
 
 
-def test_stuck_pending_or_dead_past_the_sla(matched) -> None:  # type: ignore[no-untyped-def]
+def test_stuck_pending_dead_or_prepared_past_the_sla(matched) -> None:  # type: ignore[no-untyped-def]
     rows = {NAMES[r.message_id]: r.detail for r in d.stuck(matched, RULES).collect()}
-    assert rows == {"waiting": "pending for 46800s", "dead": "dead for 46800s"}
+    assert rows == {
+        "waiting": "pending for 46800s",
+        "dead": "dead for 46800s",
+        "prepared": "prepared for 46800s",
+        "prepared ghost": "prepared for 46800s",
+    }
+
+
+def test_prepared_and_rolled_back_messages_are_never_missing(matched) -> None:  # type: ignore[no-untyped-def]
+    every = {(r["class"], NAMES.get(r.message_id)) for r in d.find(matched, RULES).collect()}
+    uncommitted = {"rolled-back ghost", "prepared ghost", "prepared", "prepared recently"}
+    assert not {name for cls, name in every if cls == d.MISSING} & (uncommitted | {"rolled back"})
+    # A rolled-back message on no topic, and one prepared within the SLA, are as they should be.
+    assert not {name for _, name in every} & {"rolled back", "prepared recently"}
 
 
 def test_late_sent_past_the_sla(matched) -> None:  # type: ignore[no-untyped-def]
@@ -163,9 +206,9 @@ def test_counts_per_class_and_topic(matched) -> None:  # type: ignore[no-untyped
         (r["class"], r.topic): r["count"]
         for r in d.count_by_class_and_topic(d.find(matched, RULES)).collect()
     }
-    assert counts[("phantom", "orders")] == 2
+    assert counts[("phantom", "orders")] == 4  # two without a row, one rolled back, one prepared
     assert counts[("misrouted", "orders")] == 2
-    assert sum(counts.values()) == 12
+    assert sum(counts.values()) == 16
 
 
 def test_a_clean_pair_of_frames_has_no_discrepancy(spark) -> None:  # type: ignore[no-untyped-def]

@@ -1,13 +1,16 @@
-"""Turning record values back into Python values: the reverse of ``outbox.serialization``.
+"""Turning message values back into Python values: the reverse of ``outbox.serialization``.
 
 The outbox labels each record with a ``content-type`` header (see docs/consuming.md): JSON
 (``application/json``), UTF-8 text (``text/plain; charset=utf-8``), or none for raw bytes.
 :class:`JsonDeserializer` reads all three back. A value it cannot read raises
-:class:`UndecodableValue`, and the runner parks that message at once: retrying would not help.
+:class:`UndecodableValue`: the inbox runner parks that message at once (retrying would not
+help); a check-back checker gets the undecoded bytes. Used by the inbox
+(:mod:`outbox.inbox`) and by check-back (:mod:`outbox.prepared`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import orjson
@@ -17,7 +20,7 @@ from outbox.serialization import JsonSerializer
 
 
 class UndecodableValue(OutboxError, ValueError):
-    """A record's value could not be decoded; the runner parks such a message at once."""
+    """A value could not be decoded; the inbox runner parks such a message at once."""
 
 
 @runtime_checkable
@@ -59,3 +62,12 @@ class BytesDeserializer:
 
     def deserialize(self, value: bytes | None, content_type: str | None) -> Any:
         return value
+
+
+def last_header(headers: Iterable[tuple[str, bytes | None]], name: str) -> bytes | None:
+    """The last value of header ``name`` among ``headers``, or None (Kafka allows repeats)."""
+    found = None
+    for key, value in headers:
+        if key == name:
+            found = value
+    return found

@@ -1,0 +1,262 @@
+"""``outbox checkback`` (the check-back runner) and ``outbox prepared ...`` (the operator's
+view of prepared messages), registered on the ``outbox`` command line by ``outbox.cli``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from outbox.cli import dead_show
+from outbox.cli_options import (
+    DATABASE_URL,
+    LOG_LEVEL,
+    SCHEMA,
+    TABLE,
+    database_engine,
+    message_selection,
+    metrics_options,
+    modules_from_working_directory,
+    run_db_step,
+    table_spec,
+)
+from outbox.errors import OutboxError
+from outbox.redaction import mask_secrets
+
+
+@click.command()
+@click.argument("target", metavar="MODULE:REGISTRY")
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.option(
+    "--check-timeout",
+    default=10.0,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_TIMEOUT",
+    show_envvar=True,
+    help="Seconds a checker may take; past it the check counts as a timeout.",
+)
+@click.option(
+    "--concurrency",
+    default=4,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_CONCURRENCY",
+    show_envvar=True,
+    help="Checks run at once, each in a thread of its own.",
+)
+@click.option(
+    "--poll-interval",
+    default=1.0,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_POLL_INTERVAL",
+    show_envvar=True,
+    help="Seconds between looks for due checks when none was due.",
+)
+@click.option(
+    "--check-interval",
+    default=60.0,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_CHECK_INTERVAL",
+    show_envvar=True,
+    help="Seconds to the next check after one without a verdict, doubling each time.",
+)
+@click.option(
+    "--backoff-max",
+    default=600.0,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_BACKOFF_MAX",
+    show_envvar=True,
+    help="The longest wait between two checks of a message.",
+)
+@click.option(
+    "--max-checks",
+    default=15,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_MAX_CHECKS",
+    show_envvar=True,
+    help="Checks without a verdict before a message ends as --on-max-checks says.",
+)
+@click.option(
+    "--on-max-checks",
+    type=click.Choice(["rollback", "dead"]),
+    default="rollback",
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_ON_MAX_CHECKS",
+    show_envvar=True,
+    help="rollback: the message is rolled back; dead: an operator decides "
+    "(outbox prepared commit/rollback).",
+)
+@click.option(
+    "--max-hung-checks",
+    default=16,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_MAX_HUNG_CHECKS",
+    show_envvar=True,
+    help="Timed-out checker calls still running before /healthz reports the runner unhealthy.",
+)
+@metrics_options("OUTBOX_CHECKBACK")
+@LOG_LEVEL
+def checkback(
+    target: str,
+    database_url: str,
+    schema: str,
+    table: str,
+    check_timeout: float,
+    concurrency: int,
+    poll_interval: float,
+    check_interval: float,
+    backoff_max: float,
+    max_checks: int,
+    on_max_checks: str,
+    max_hung_checks: int,
+    metrics_port: int | None,
+    metrics_host: str,
+    log_level: str,
+) -> None:
+    """Check prepared messages with MODULE:REGISTRY's checkers until stopped.
+
+    MODULE:REGISTRY names an outbox.prepared.CheckRegistry, e.g. myapp.checks:registry. Run it
+    in the service that prepares the messages. SIGTERM finishes the round of checks in hand.
+    """
+    import signal
+    import threading
+
+    stop_early = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_early.set())
+
+    from outbox.logs import configure_logging
+    from outbox.prepared.checkers import load_registry
+    from outbox.prepared.config import CheckbackConfig
+    from outbox.prepared.runner import CheckbackRunner
+
+    configure_logging(log_level)
+    modules_from_working_directory()
+    try:
+        registry = load_registry(target)
+        config = CheckbackConfig(
+            database_url=database_url,
+            spec=table_spec(schema, table),
+            check_timeout=check_timeout,
+            concurrency=concurrency,
+            poll_interval=poll_interval,
+            check_interval=check_interval,
+            backoff_max=backoff_max,
+            max_checks=max_checks,
+            on_max_checks=on_max_checks,
+            max_hung_checks=max_hung_checks,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+        )
+        runner = CheckbackRunner(registry, config)
+        with database_engine(database_url, connect_args={"connect_timeout": 10}) as engine:
+            problem = run_db_step(lambda: runner.store.problem(engine))
+        if problem:
+            raise OutboxError(problem)
+    except (OutboxError, ValueError) as exc:
+        raise click.ClickException(mask_secrets(str(exc))) from exc
+    runner.install_signal_handlers()
+    if stop_early.is_set():
+        runner.stop()
+    sys.exit(runner.run())
+
+
+@click.group()
+def prepared() -> None:
+    """Inspect prepared messages; commit or roll back those waiting for a verdict."""
+
+
+def _store(schema: str, table: str) -> Any:
+    from outbox.prepared.store import PreparedStore
+
+    return PreparedStore(table_spec(schema, table))
+
+
+@prepared.command("list")
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.option("--topic", default=None)
+@click.option("--group", default=None, help="Only this check group's messages.")
+@click.option("--limit", default=50, show_default=True)
+def prepared_list(
+    database_url: str, schema: str, table: str, topic: str | None, group: str | None, limit: int
+) -> None:
+    """List messages waiting for a verdict (prepared, or left dead by check-back), oldest
+    first."""
+
+    store = _store(schema, table)
+
+    def run(engine: Any) -> None:
+        with engine.connect() as conn:
+            rows = store.unresolved(conn, topic=topic, check_group=group, limit=limit)
+        now = datetime.now(UTC)
+        for row in rows:
+            key = row["key"].decode(errors="replace") if row["key"] is not None else "-"
+            age = int((now - row["prepared_at"]).total_seconds())
+            due = row["next_check_at"]
+            click.echo(
+                f"{row['id']}  {row['topic']}  key={key}  group={row['check_group']}  "
+                f"{row['status']}  age={age}s  checks={row['check_count']}  "
+                f"last={row['last_check_answer'] or '-'}  "
+                f"next={due.isoformat(timespec='seconds') if due else '-'}"
+            )
+        click.echo(f"{len(rows)} message(s) waiting for a verdict")
+
+    with database_engine(database_url) as engine:
+        run_db_step(lambda: run(engine))
+
+
+prepared.add_command(dead_show, "show")
+
+
+def _decide(commit: bool) -> Callable[..., None]:
+    @message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
+    @click.option("--group", default=None, help="Only this check group's messages.")
+    def command(
+        database_url: str,
+        schema: str,
+        table: str,
+        topic: str | None,
+        everything: bool,
+        message_ids: tuple[Any, ...],
+        group: str | None,
+    ) -> None:
+        if not (message_ids or topic or group or everything):
+            raise click.UsageError("name message ids, or pass --topic, --group or --all")
+        from outbox.prepared.store import OPERATOR
+
+        store = _store(schema, table)
+
+        def run(engine: Any) -> int:
+            with engine.begin() as conn:
+                rows = store.unresolved(
+                    conn, ids=list(message_ids) or None, topic=topic, check_group=group
+                )
+                chosen = [row["id"] for row in rows]
+                decide = store.commit if commit else store.rollback
+                return int(decide(conn, chosen, OPERATOR))
+
+        with database_engine(database_url) as engine:
+            count = run_db_step(lambda: run(engine))
+        click.echo(f"{'committed' if commit else 'rolled back'} {count} prepared message(s)")
+        if message_ids and count < len(set(message_ids)):
+            click.echo(
+                f"{len(set(message_ids)) - count} of the ids given were not waiting for a "
+                "verdict (see outbox prepared show ID)"
+            )
+
+    return command
+
+
+prepared.command(
+    "commit",
+    help="Commit messages waiting for a verdict: they become pending and are published.",
+)(_decide(commit=True))
+prepared.command(
+    "rollback", help="Roll back messages waiting for a verdict: they are never published."
+)(_decide(commit=False))

@@ -1,0 +1,302 @@
+"""Every statement on prepared messages, behind named methods: the API, the check-back runner
+and the CLI never see SQL (the queries are in ``outbox/sql/queries.sql``).
+
+Methods that take a ``Connection`` run inside the caller's transaction; the runner's methods
+take an ``Engine`` and run one short transaction each.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+
+from outbox.errors import OutboxError
+from outbox.message import EncodedMessage
+from outbox.prepared.answers import COMMIT, ROLLBACK
+from outbox.publisher import translate_table_error
+from outbox.queries import Queries
+from outbox.redaction import mask_secrets
+from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
+
+#: Who decided a prepared message (the ``resolved_by`` column).
+PRODUCER, CHECK, EXPIRED, OPERATOR = "producer", "check", "expired", "operator"
+#: error_kind of a message that check-back gave up on and left dead for an operator.
+UNRESOLVED = "unresolved"
+#: The ways a message may end when check-back gives up on it.
+END_STATUSES = (ROLLED_BACK, DEAD)
+#: Longest checker error (or answer) text recorded.
+MAX_STORED_TEXT = 2000
+
+log = logging.getLogger("outbox.checkback")
+
+_INSERTED_COLUMNS = (
+    "id",
+    "shard",
+    "topic",
+    "key",
+    "value",
+    "content_type",
+    "header_names",
+    "header_values",
+    "idempotency_key",
+)
+
+
+@dataclass(frozen=True)
+class CheckRecord:
+    """One check to record: the message, the answer (``commit``, ``rollback``, ``unknown``,
+    ``error`` or ``timeout``), its error, and the seconds until the next check."""
+
+    id: uuid.UUID
+    answer: str
+    error: str | None
+    delay: float
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What recording a round of checks did: the rows still held and prepared (the others were
+    decided meanwhile, by their producer or an operator), and which of them were committed,
+    rolled back or given up on."""
+
+    recorded: frozenset[uuid.UUID]
+    committed: tuple[uuid.UUID, ...]
+    rolled_back: tuple[uuid.UUID, ...]
+    expired: tuple[uuid.UUID, ...]
+
+
+class PreparedStore:
+    """The statements on one outbox table's prepared messages."""
+
+    def __init__(self, spec: OutboxTableSpec) -> None:
+        self.spec = spec
+        self.queries = Queries(spec)
+
+    # -- the producer's side ------------------------------------------------------------------
+
+    def insert(
+        self, conn: sa.Connection, encoded: EncodedMessage, check_group: str, check_after: float
+    ) -> tuple[uuid.UUID, bool]:
+        """Insert a prepared message; returns its id and whether its idempotency key was
+        stored already (then nothing was written and the id is the earlier message's)."""
+        params: dict[str, Any] = {name: encoded.row.get(name) for name in _INSERTED_COLUMNS}
+        params.update(check_group=check_group, check_after=check_after)
+        # Twice at most: the row holding the key may be rolled back (and give the key up)
+        # between the insert that found it and the look for it.
+        for _ in range(2):
+            with self.typed_errors():
+                inserted = conn.execute(self.queries["insert_prepared"], params).scalar()
+            if inserted is not None:
+                return inserted, False
+            key = {"key": encoded.idempotency_key}
+            found = conn.execute(self.queries["find_idempotency_key"], key).scalar()
+            if found is not None:
+                return found, True
+        raise OutboxError(
+            f"idempotency key {encoded.idempotency_key!r} is being released and taken again "
+            "at the same time: try again"
+        )
+
+    @contextmanager
+    def typed_errors(self) -> Iterator[None]:
+        """Raise a permanent failure (the table missing or not upgraded, a privilege missing)
+        as the :class:`~outbox.errors.OutboxError` that says so, not as a database error."""
+        try:
+            yield
+        except exc.ProgrammingError as error:
+            translated = self._translated(error)
+            if translated is None:
+                raise
+            raise translated from error
+
+    def commit(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:
+        """Make prepared messages pending, in the order they were prepared (their UUIDv7 ids),
+        and wake a sleeping relay at commit. Returns how many were prepared."""
+        ordered = sorted(set(ids))
+        if not ordered:
+            return 0
+        # One statement per id, sent as one batch: each takes its new seq in this order.
+        params = [{"id": message_id, "by": by} for message_id in ordered]
+        count = int(conn.execute(self.queries["commit_prepared"], params).rowcount)
+        if count:
+            space, number = self.spec.wake_lock
+            conn.execute(
+                self.queries["wake_relays"],
+                {"channel": self.spec.notify_channel, "wake_space": space, "wake_number": number},
+            )
+        return count
+
+    def rollback(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:
+        """Roll prepared messages back for good. Returns how many were prepared."""
+        wanted = list(set(ids))
+        if not wanted:
+            return 0
+        params = {"ids": wanted, "by": by}
+        return int(conn.execute(self.queries["rollback_prepared"], params).rowcount)
+
+    def statuses(
+        self, conn: sa.Connection, ids: Collection[uuid.UUID]
+    ) -> dict[uuid.UUID, sa.RowMapping]:
+        """Where the given messages stand (``status``, ``error_kind``, ``prepared_at``,
+        ``resolved_by``); an id with no row is absent."""
+        rows = conn.execute(self.queries["prepared_statuses"], {"ids": list(ids)}).mappings()
+        return {row["id"]: row for row in rows}
+
+    # -- the check-back runner's side ---------------------------------------------------------
+
+    def claim_due(
+        self,
+        engine: sa.Engine,
+        owner: str,
+        groups: Sequence[str],
+        limit: int,
+        lease_seconds: float,
+    ) -> list[sa.RowMapping]:
+        """Lease up to ``limit`` prepared rows of ``groups`` whose check is due to ``owner``."""
+        params = {
+            "owner": owner,
+            "groups": list(groups),
+            "limit": limit,
+            "lease_seconds": lease_seconds,
+        }
+        with engine.begin() as conn:
+            return list(conn.execute(self.queries["claim_due_checks"], params).mappings())
+
+    def record_checks(
+        self,
+        engine: sa.Engine,
+        owner: str,
+        checks: Sequence[CheckRecord],
+        max_checks: int,
+        end_status: str,
+    ) -> Recorded:
+        """Record a round of checks and act on the answers, in one transaction: COMMIT and
+        ROLLBACK decide the message; after ``max_checks`` checks without a verdict it ends in
+        ``end_status``. Only rows ``owner`` still holds are touched."""
+        if not checks:
+            return Recorded(frozenset(), (), (), ())
+        try:
+            return self._record(engine, owner, checks, max_checks, end_status)
+        except exc.DataError:
+            if len(checks) == 1:
+                raise
+        # A check the database refuses must not cost the others their verdicts: one by one.
+        parts: list[Recorded] = []
+        for check in checks:
+            try:
+                parts.append(self._record(engine, owner, [check], max_checks, end_status))
+            except exc.DataError as error:
+                log.error(
+                    "could not record a check: the message is checked again after its lease",
+                    extra={"id": str(check.id), "error": str(error.orig).splitlines()[0]},
+                )
+        return Recorded(
+            frozenset().union(*(part.recorded for part in parts)),
+            tuple(i for part in parts for i in part.committed),
+            tuple(i for part in parts for i in part.rolled_back),
+            tuple(i for part in parts for i in part.expired),
+        )
+
+    def _record(
+        self,
+        engine: sa.Engine,
+        owner: str,
+        checks: Sequence[CheckRecord],
+        max_checks: int,
+        end_status: str,
+    ) -> Recorded:
+        params = {
+            "owner": owner,
+            "ids": [c.id for c in checks],
+            "answers": [stored_text(c.answer) for c in checks],
+            "errors": [stored_text(c.error) for c in checks],
+            "delays": [c.delay for c in checks],
+        }
+        with engine.begin() as conn:
+            rows = conn.execute(self.queries["record_checks"], params)
+            recorded = frozenset(row.id for row in rows)
+            held = [c for c in checks if c.id in recorded]
+            committed = tuple(c.id for c in held if c.answer == COMMIT)
+            rolled_back = tuple(c.id for c in held if c.answer == ROLLBACK)
+            undecided = [c.id for c in held if c.answer not in (COMMIT, ROLLBACK)]
+            self.commit(conn, committed, CHECK)
+            self.rollback(conn, rolled_back, CHECK)
+            expired: tuple[uuid.UUID, ...] = ()
+            if undecided:
+                expired = tuple(
+                    conn.execute(
+                        self.queries["expire_prepared"],
+                        {"ids": undecided, "max_checks": max_checks, "end_status": end_status},
+                    ).scalars()
+                )
+        return Recorded(recorded, committed, rolled_back, expired)
+
+    def counts(self, engine: sa.Engine, groups: Sequence[str]) -> dict[str, tuple[int, float]]:
+        """Per check group: prepared messages, and the age in seconds of the oldest."""
+        with engine.connect() as conn:
+            rows = conn.execute(self.queries["count_prepared"], {"groups": list(groups)})
+            return {row.check_group: (int(row.prepared), float(row.oldest)) for row in rows}
+
+    def problem(self, engine: sa.Engine) -> str | None:
+        """Why the runner cannot work on this table, or None when it can."""
+        name = self.spec.qualified_name
+        with engine.connect() as conn:
+            found = conn.execute(self.queries["checkback_access"], {"name": name}).one()
+        if not found.table_exists:
+            return f"table {name} does not exist: run `outbox db upgrade`"
+        if not found.upgraded:
+            return _too_old(self.spec)
+        if not found.allowed:
+            return (
+                f"role {found.role} needs SELECT and UPDATE on {name} (docs/prepared-messages.md)"
+            )
+        return None
+
+    # -- the operator's side ------------------------------------------------------------------
+
+    def unresolved(
+        self,
+        conn: sa.Connection,
+        *,
+        ids: Sequence[uuid.UUID] | None = None,
+        topic: str | None = None,
+        check_group: str | None = None,
+        limit: int | None = None,
+    ) -> list[sa.RowMapping]:
+        """Messages waiting for a verdict (prepared, or left dead by check-back), oldest first."""
+        params: Mapping[str, Any] = {
+            "ids": list(ids) if ids else None,
+            "topic": topic,
+            "check_group": check_group,
+            "limit": limit,
+        }
+        return list(conn.execute(self.queries["select_unresolved"], params).mappings())
+
+    def _translated(self, error: exc.ProgrammingError) -> OutboxError | None:
+        translated = translate_table_error(error, self.spec)
+        if translated is None and getattr(error.orig, "sqlstate", None) == "42703":
+            translated = OutboxError(_too_old(self.spec))  # undefined_column: not upgraded
+        return translated
+
+
+def stored_text(text: str | None) -> str | None:
+    """A checker's text as it is stored and shown: passwords masked, NUL characters (which
+    PostgreSQL refuses in text) written as ``\\x00``, at most ``MAX_STORED_TEXT``
+    characters."""
+    if text is None:
+        return None
+    return mask_secrets(text.replace("\x00", "\\x00"))[:MAX_STORED_TEXT]
+
+
+def _too_old(spec: OutboxTableSpec) -> str:
+    return (
+        f"table {spec.qualified_name} predates prepared messages (revision "
+        "0004_prepared_messages): run `outbox db upgrade`"
+    )
