@@ -54,6 +54,8 @@ log = logging.getLogger("outbox.inbox")
 TP = tuple[str, int]
 
 _BROKER_DOWN = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}
+#: Seconds a stopping consumer waits for Kafka to take its last offsets and its leaving.
+LEAVE_TIMEOUT = 15.0
 
 
 class InboxRunner(Stoppable):
@@ -139,11 +141,32 @@ class InboxRunner(Stoppable):
         finally:
             self.health.stopping = True
             if consumer is not None:
-                self._commit(consumer)
-                consumer.close()  # revokes (committing nothing new) and leaves the group
+                self._leave(consumer)
             if isinstance(applier, AsyncApplier):
                 applier.close()
             engine.dispose()
+
+    def _leave(self, consumer: Consumer) -> None:
+        """Commit what is applied and leave the group, for at most LEAVE_TIMEOUT seconds.
+
+        Both wait for the group's coordinator; with it out of reach (a broker down) they
+        would block a SIGTERM for minutes. Given up, the offsets not committed only make
+        the next owner read records again, which the inbox skips.
+        """
+
+        def leave() -> None:
+            self._commit(consumer)
+            consumer.close()  # revokes (committing nothing new) and leaves the group
+
+        leaving = threading.Thread(target=leave, name="inbox-leave", daemon=True)
+        leaving.start()
+        leaving.join(LEAVE_TIMEOUT)
+        if leaving.is_alive():
+            log.warning(
+                "Kafka did not answer within %.0fs while leaving the group: stopping anyway; "
+                "records applied since the last offset commit will be read again and skipped",
+                LEAVE_TIMEOUT,
+            )
 
     def _loop(self, consumer: Consumer, applier: Any, engine: sa.Engine) -> None:
         next_requeue = time.monotonic()

@@ -187,3 +187,38 @@ def test_everything_a_relay_sends_twice_is_applied_once(
     assert applied == {str(i) for i in ids}
     assert_exactly_once(inbox_engine, range(1000))
     assert_partition_order(inbox_engine)
+
+
+def test_a_consumer_stopped_while_kafka_does_not_answer_still_stops(
+    inbox_engine: sa.Engine,
+    outbox_url: str,
+    bootstrap_servers: str,
+    make_topic,  # type: ignore[no-untyped-def]
+    faulty_kafka,  # type: ignore[no-untyped-def]
+) -> None:
+    """Leaving the group waits for its coordinator; with Kafka silent (a broker gone) a
+    SIGTERM must still end the consumer, not hang until a supervisor kills it (seen in a
+    chaos run: a consumer stopped after a broker kill was killed 60 s later)."""
+    import threading
+
+    from outbox.inbox.runner import LEAVE_TIMEOUT, InboxRunner
+
+    topic = make_topic("inbox-leave", partitions=3)
+    numbers = range(300)
+    produce(bootstrap_servers, topic, numbers)
+    inbox = inbox_app.make_inbox([topic], group())
+    config = consumer_config(outbox_url, f"127.0.0.1:{faulty_kafka.listen_port}")
+    runner = InboxRunner(inbox, config)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: ledger_count(inbox_engine) >= 300, 60, "everything applied")
+        faulty_kafka.stall()
+        runner.stop()
+        thread.join(LEAVE_TIMEOUT + 20)
+        assert not thread.is_alive(), "the consumer did not stop while Kafka was silent"
+    finally:
+        faulty_kafka.heal()
+        runner.stop()
+        thread.join(60)
+    assert_exactly_once(inbox_engine, numbers)
