@@ -254,6 +254,50 @@ def test_downgrade_past_0004_refuses_messages_without_a_verdict(database_url: st
             )
         with pytest.raises(Exception, match="left dead without a verdict"):
             migrate.downgrade(database_url, revision="0003_wake_trigger")
-        assert migrate_current(engine) == "0004_prepared_messages"
+        assert migrate_current(engine) == "0005_wake_before_insert"  # nothing came down
+    finally:
+        engine.dispose()
+
+
+def wake_trigger_timing(engine: sa.Engine) -> str:
+    with engine.connect() as conn:
+        tgtype = conn.execute(
+            sa.text("SELECT tgtype FROM pg_trigger WHERE tgname = 'outbox_wake'")
+        ).scalar_one()
+    return "BEFORE" if tgtype & 2 else "AFTER"  # TRIGGER_TYPE_BEFORE
+
+
+@pytest.mark.parametrize("revision", ["0004_prepared_messages", "0005_wake_before_insert"])
+def test_writers_notify_only_while_the_wake_lock_is_held_with_each_trigger(
+    database_url: str, revision: str
+) -> None:
+    migrate.upgrade(database_url)
+    if revision != "0005_wake_before_insert":
+        migrate.downgrade(database_url, revision=revision)
+    engine = sa.create_engine(database_url)
+    spec = OutboxTableSpec()
+    insert = sa.text(
+        "INSERT INTO outbox (id, shard, topic, value) VALUES (gen_random_uuid(), 0, 't', 'v')"
+    )
+    try:
+        assert wake_trigger_timing(engine) == ("BEFORE" if revision.startswith("0005") else "AFTER")
+        with engine.connect() as relay:
+            relay.execute(sa.text(f'LISTEN "{spec.notify_channel}"'))
+            relay.commit()
+            raw = relay.connection.driver_connection
+            assert raw is not None
+            with engine.begin() as writer:  # no relay asleep
+                writer.execute(insert)
+            assert list(raw.notifies(timeout=0.3)) == []
+            relay.execute(
+                sa.text("SELECT pg_advisory_lock(:a, :b)"),
+                dict(zip("ab", spec.wake_lock, strict=True)),
+            )
+            relay.commit()
+            with engine.begin() as writer:  # a relay asleep: the writer notifies at commit
+                writer.execute(insert)
+            assert [n.channel for n in raw.notifies(timeout=5, stop_after=1)] == [
+                spec.notify_channel
+            ]
     finally:
         engine.dispose()
