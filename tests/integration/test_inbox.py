@@ -3,9 +3,13 @@ whatever Kafka delivers twice, and failures retry in order, then park."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -234,3 +238,62 @@ def refusals(outbox_url: str, bootstrap_servers: str) -> None:
     no_tables = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base])
     assert no_tables.exit_code == 1, no_tables.output
     assert "run `outbox inbox install`" in no_tables.output
+
+
+#: A sitecustomize that holds the import of HOLD_IMPORT until the file HOLD_RELEASE exists,
+#: after creating HOLD_MARK: a start-up caught in the middle of its imports, on demand.
+HOLD_AN_IMPORT = """
+import os, sys, time
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["HOLD_IMPORT"]:
+            sys.meta_path.remove(self)
+            open(os.environ["HOLD_MARK"], "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.environ["HOLD_RELEASE"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+def test_consume_stopped_while_it_imports_exits_0_having_done_nothing(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic, tmp_path: Path
+) -> None:
+    """SIGTERM lands while `outbox consume` still loads librdkafka: the stop is kept until the
+    runner exists, which then stops at once (exit 0) without joining the group."""
+    topic = make_topic("inbox-early-stop")
+    produce(bootstrap_servers, topic, range(5))
+    name = group()
+    (tmp_path / "sitecustomize.py").write_text(HOLD_AN_IMPORT)
+    mark, release = tmp_path / "holding", tmp_path / "release"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "HOLD_IMPORT": "confluent_kafka",
+        "HOLD_MARK": str(mark),
+        "HOLD_RELEASE": str(release),
+        "OUTBOX_DATABASE_URL": outbox_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+        "INBOX_TEST_TOPICS": topic,
+        "INBOX_TEST_GROUP": name,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbox.cli", "consume", "tests.inbox_app:inbox"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: mark.exists() or process.poll() is not None, 60, "the import held")
+        process.send_signal(signal.SIGTERM)
+    finally:
+        release.touch()
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output.decode(errors="replace")
+    assert ledger_count(inbox_engine) == 0
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    [listing] = [admin.list_consumer_groups(request_timeout=30).result(30)]
+    assert name not in {g.group_id for g in listing.valid}, "it joined the group"
