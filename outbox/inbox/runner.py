@@ -37,15 +37,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from outbox import health_server
 from outbox.errors import ConfigError
 from outbox.inbox.api import Inbox, RawRecord
-from outbox.inbox.apply import (
-    AsyncApplier,
-    DatabaseUnavailable,
-    Failure,
-    SyncApplier,
-    prepare,
-)
+from outbox.inbox.apply import DatabaseUnavailable, Failure, prepare
 from outbox.inbox.config import ConsumerConfig
 from outbox.inbox.metrics import InboxHealth, InboxMetrics
+from outbox.inbox.sessions import AsyncApplier, SyncApplier
 from outbox.inbox.store import InboxStore
 from outbox.loops import Stoppable
 
