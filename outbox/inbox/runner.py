@@ -10,14 +10,16 @@ replay applies them). In order, per partition:
    tries again with backoff, so nothing is skipped;
 4. for a partition held back by a failing record: seek back to it and pause the partition
    until its backoff is over;
-5. commit the offsets, synchronously. A failed commit is kept and tried again with the next
-   one (offsets are cumulative); the inbox rows catch what a lost commit replays.
+5. commit the offsets, asynchronously (:mod:`outbox.inbox.offsets`): a commit lost or
+   refused is sent again with the next one (offsets are cumulative); the inbox rows catch
+   what a lost commit replays.
 
 Rebalance callbacks run inside ``consume``, between batches, so nothing is half-applied when
-partitions are revoked: their pending offsets are committed there and their retry state is
-dropped. A partition that moved while a batch was being applied (a consumer that overran
-``max.poll.interval.ms``) may be read by its new owner at the same time; the inbox row's
-primary key makes one transaction wait for the other and then skip.
+partitions are revoked: their offsets are committed there, synchronously (sent again while
+the group is between generations), and their retry state is dropped; the next owner starts
+where this one stopped. A partition that moved while a batch was being applied (a consumer
+that overran ``max.poll.interval.ms``) may be read by its new owner at the same time; the
+inbox row's primary key makes one transaction wait for the other and then skip.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from outbox.inbox.api import Inbox, RawRecord
 from outbox.inbox.apply import DatabaseUnavailable, Failure, prepare
 from outbox.inbox.config import ConsumerConfig
 from outbox.inbox.metrics import InboxHealth, InboxMetrics
+from outbox.inbox.offsets import Offsets
 from outbox.inbox.sessions import AsyncApplier, SyncApplier
 from outbox.inbox.store import InboxStore
 from outbox.loops import Stoppable
@@ -51,6 +54,9 @@ TP = tuple[str, int]
 _BROKER_DOWN = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}
 #: Seconds a stopping consumer waits for Kafka to take its last offsets and its leaving.
 LEAVE_TIMEOUT = 15.0
+#: Of those, the seconds its last offsets may take (a group between generations refuses
+#: them for a moment); the rest is for leaving the group.
+LAST_COMMIT_TIMEOUT = 10.0
 
 
 class InboxRunner(Stoppable):
@@ -83,11 +89,10 @@ class InboxRunner(Stoppable):
         self.store = InboxStore(config.spec)
         self.metrics_address: tuple[str, int] | None = None
         self._stop = threading.Event()
-        self._pending: dict[TP, int] = {}  # offsets applied but not yet committed to Kafka
+        self.offsets = Offsets(self.health)
         self._failures: dict[TP, Failure] = {}  # the record each held-back partition retries
         self._waiting: dict[TP, float] = {}  # paused partitions and when they resume
         self._assigned: set[TP] = set()
-        self._commit_failing = False
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -144,13 +149,15 @@ class InboxRunner(Stoppable):
     def _leave(self, consumer: Consumer) -> None:
         """Commit what is applied and leave the group, for at most LEAVE_TIMEOUT seconds.
 
-        Both wait for the group's coordinator; with it out of reach (a broker down) they
-        would block a SIGTERM for minutes. Given up, the offsets not committed only make
-        the next owner read records again, which the inbox skips.
+        The commit comes first, while this consumer is still a full member: a group in the
+        middle of a rebalance takes it once it has its new generation, and a leaving member
+        takes no part in that. Both wait for the group's coordinator; with it out of reach
+        (a broker down) they would block a SIGTERM for minutes. Given up, the offsets not
+        committed only make the next owner read records again, which the inbox skips.
         """
 
         def leave() -> None:
-            self._commit(consumer)
+            self.offsets.commit_now(consumer, timeout=LAST_COMMIT_TIMEOUT)
             consumer.close()  # revokes (committing nothing new) and leaves the group
 
         leaving = threading.Thread(target=leave, name="inbox-leave", daemon=True)
@@ -189,7 +196,7 @@ class InboxRunner(Stoppable):
                     log.warning("Kafka error", extra={"error": str(error)})
             if batch:  # (records from the local queue say nothing about the broker)
                 self._apply(consumer, applier, batch)
-            self._commit(consumer)
+            self.offsets.commit_async(consumer)
             if now >= next_lag:
                 next_lag = now + 2.0
                 self._update_lag(consumer)
@@ -234,7 +241,7 @@ class InboxRunner(Stoppable):
                     return  # stopping: nothing of this batch committed; it will be read again
         self.health.database_ok = True
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
-        self._pending.update(result.next_offsets)
+        self.offsets.applied(result.next_offsets)
         for tp, next_offset in result.next_offsets.items():
             failure = self._failures.get(tp)
             if failure is not None and next_offset > failure.offset:
@@ -253,34 +260,6 @@ class InboxRunner(Stoppable):
             for tp in due:
                 del self._waiting[tp]
 
-    def _commit(self, consumer: Consumer, only: set[TP] | None = None) -> None:
-        offsets = {tp: offset for tp, offset in self._pending.items() if only is None or tp in only}
-        if not offsets:
-            return
-        # A synchronous commit blocks while the group's coordinator is down (the client's
-        # error callbacks wait for it too): the health reports Kafka out of reach meanwhile.
-        self.health.kafka_call_since = time.monotonic()
-        try:
-            consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                asynchronous=False,
-            )
-        except KafkaException as exc:
-            # Kept, and tried again with the next commit: a commit lost for good (the process
-            # dies first) replays records the inbox then skips.
-            if not self._commit_failing:
-                log.warning(f"offset commit failed; will retry: {exc}")
-            self._commit_failing = True
-            self.health.kafka_ok = False
-            return
-        finally:
-            self.health.kafka_call_since = None
-        self._commit_failing = False
-        self.health.kafka_ok = True
-        for tp, offset in offsets.items():
-            if self._pending.get(tp) == offset:
-                del self._pending[tp]
-
     # -- rebalances ---------------------------------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -295,7 +274,7 @@ class InboxRunner(Stoppable):
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {(p.topic, p.partition) for p in partitions}
-        self._commit(consumer, only=revoked)  # what is done is committed before others read
+        self.offsets.commit_now(consumer, only=revoked)  # committed before others read
         self._forget(revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -303,8 +282,8 @@ class InboxRunner(Stoppable):
         self._forget({(p.topic, p.partition) for p in partitions})
 
     def _forget(self, partitions: set[TP]) -> None:
+        self.offsets.forget(partitions)
         for tp in partitions:
-            self._pending.pop(tp, None)
             self._failures.pop(tp, None)
             self._waiting.pop(tp, None)
             self._assigned.discard(tp)
@@ -362,6 +341,7 @@ class InboxRunner(Stoppable):
             "isolation.level": "read_committed",
         }
         settings.setdefault("error_cb", self._kafka_error)
+        settings["on_commit"] = self.offsets.on_commit
         return settings
 
     def _kafka_error(self, error: KafkaError) -> None:
