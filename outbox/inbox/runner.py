@@ -2,24 +2,27 @@
 
 Offsets reach Kafka only after the database committed, so a crash anywhere replays records
 whose effects either committed (the inbox row makes the replay a duplicate) or did not (the
-replay applies them). In order, per partition:
+replay applies them). Two threads: the runner's own talks to Kafka (every Kafka call and
+callback happens there), a database thread applies one batch at a time, so that the next
+batch is read and decoded while the current one's transaction runs. In order, per turn:
 
 1. resume partitions whose retry backoff is over;
-2. ``consume`` up to ``batch_size`` records (``max_wait`` to fill the batch);
-3. apply them (:mod:`outbox.inbox.apply`); a database outage keeps the batch in hand and
-   tries again with backoff, so nothing is skipped;
-4. for a partition held back by a failing record: seek back to it and pause the partition
-   until its backoff is over;
+2. ``consume`` up to ``batch_size`` records (``max_wait`` to fill the batch) and decode them;
+3. wait for the batch in hand (its transaction), and take in its result: offsets to commit,
+   and for a partition held back by a failing record, a seek back to it and a pause until
+   its backoff is over (the records read ahead for that partition are dropped);
+4. hand the new batch to the database thread (:mod:`outbox.inbox.apply`); a database outage
+   keeps it there and tries again with backoff, so nothing is skipped;
 5. commit the offsets, asynchronously (:mod:`outbox.inbox.offsets`): a commit lost or
-   refused is sent again with the next one (offsets are cumulative); the inbox rows catch
-   what a lost commit replays.
+   refused is sent again with the next one; the inbox rows catch what it replays.
 
-Rebalance callbacks run inside ``consume``, between batches, so nothing is half-applied when
-partitions are revoked: their offsets are committed there, synchronously (sent again while
-the group is between generations), and their retry state is dropped; the next owner starts
-where this one stopped. A partition that moved while a batch was being applied (a consumer
-that overran ``max.poll.interval.ms``) may be read by its new owner at the same time; the
-inbox row's primary key makes one transaction wait for the other and then skip.
+Rebalance callbacks run inside ``consume``, on the runner's thread. When partitions are
+revoked the batch in hand is finished first, then their offsets are committed synchronously
+(sent again while the group is between generations), then what was read ahead for them is
+dropped: the next owner starts where this one stopped. A partition that moved while a batch
+was being applied (a consumer that overran ``max.poll.interval.ms``) may be read by its new
+owner at the same time; the inbox row's primary key makes one transaction wait for the other
+and then skip.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -39,7 +43,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from outbox import health_server
 from outbox.errors import ConfigError
 from outbox.inbox.api import Inbox, RawRecord
-from outbox.inbox.apply import DatabaseUnavailable, Failure, prepare
+from outbox.inbox.apply import BatchResult, DatabaseUnavailable, Failure, Item, prepare
 from outbox.inbox.config import ConsumerConfig
 from outbox.inbox.metrics import InboxHealth, InboxMetrics
 from outbox.inbox.offsets import Offsets
@@ -88,11 +92,14 @@ class InboxRunner(Stoppable):
         self.health = InboxHealth(stale_after=max(60.0, 2 * config.backoff_max))
         self.store = InboxStore(config.spec)
         self.metrics_address: tuple[str, int] | None = None
-        self._stop = threading.Event()
         self.offsets = Offsets(self.health)
+        self._stop = threading.Event()
         self._failures: dict[TP, Failure] = {}  # the record each held-back partition retries
         self._waiting: dict[TP, float] = {}  # paused partitions and when they resume
         self._assigned: set[TP] = set()
+        self._database: ThreadPoolExecutor | None = None  # the thread that applies batches
+        self._applier: SyncApplier | AsyncApplier | None = None
+        self._in_hand: Future[BatchResult | None] | None = None  # the batch being applied
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -113,23 +120,13 @@ class InboxRunner(Stoppable):
 
     def _run(self) -> None:
         engine = sa.create_engine(self.config.database_url, pool_pre_ping=True)
-        applier: SyncApplier | AsyncApplier | None = None
+        self._database = ThreadPoolExecutor(1, thread_name_prefix="inbox-database")
         consumer: Consumer | None = None
         try:
             if not self.wait_for_database(lambda: self._tables_problem(engine), self._backoff, log):
                 return
-            if self.inbox.is_async:
-                applier = AsyncApplier(
-                    self.config.database_url,
-                    self.inbox,
-                    self.store,
-                    self.metrics,
-                    self.config.max_attempts,
-                )
-            else:
-                applier = SyncApplier(
-                    engine, self.inbox, self.store, self.metrics, self.config.max_attempts
-                )
+            # Made on the database thread: an async applier's event loop lives there.
+            self._applier = self._database.submit(self._make_applier, engine).result()
             consumer = Consumer(self._kafka_settings())
             consumer.subscribe(
                 self.inbox.topics,
@@ -137,13 +134,15 @@ class InboxRunner(Stoppable):
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
-            self._loop(consumer, applier, engine)
+            self._loop(consumer, engine)
         finally:
             self.health.stopping = True
             if consumer is not None:
+                self._settle(consumer)
                 self._leave(consumer)
-            if isinstance(applier, AsyncApplier):
-                applier.close()
+            if self._applier is not None:
+                self._database.submit(self._applier.close).result()
+            self._database.shutdown()
             engine.dispose()
 
     def _leave(self, consumer: Consumer) -> None:
@@ -170,7 +169,14 @@ class InboxRunner(Stoppable):
                 LEAVE_TIMEOUT,
             )
 
-    def _loop(self, consumer: Consumer, applier: Any, engine: sa.Engine) -> None:
+    def _make_applier(self, engine: sa.Engine) -> SyncApplier | AsyncApplier:
+        args = (self.inbox, self.store, self.metrics, self.config.max_attempts)
+        if self.inbox.is_async:
+            return AsyncApplier(self.config.database_url, *args)
+        return SyncApplier(engine, *args)
+
+    def _loop(self, consumer: Consumer, engine: sa.Engine) -> None:
+        assert self._database is not None
         next_requeue = time.monotonic()
         next_purge = time.monotonic()
         next_lag = time.monotonic()
@@ -180,54 +186,66 @@ class InboxRunner(Stoppable):
             self._resume_due(consumer, now)
             if now >= next_requeue:
                 next_requeue = now + self.config.requeue_interval
-                self._apply_requeued(applier)
+                self._database.submit(self._apply_requeued).result()  # after the batch in hand
             if self.config.retention is not None and now >= next_purge:
                 next_purge = now + self.config.purge_interval
                 self._purge(engine, self.config.retention)
             records = consumer.consume(self.config.batch_size, self.config.max_wait)
-            batch = []
-            for record in records:
-                error = record.error()
-                if error is None:
-                    batch.append(record)
-                elif error.code() in _BROKER_DOWN:
-                    self.health.kafka_ok = False
-                else:
-                    log.warning("Kafka error", extra={"error": str(error)})
-            if batch:  # (records from the local queue say nothing about the broker)
-                self._apply(consumer, applier, batch)
+            items = self._prepare(records)  # while the batch in hand is being applied
+            self._settle(consumer)
+            items = self._still_wanted(items)
+            if items:
+                self._in_hand = self._database.submit(self._apply, items)
             self.offsets.commit_async(consumer)
             if now >= next_lag:
                 next_lag = now + 2.0
                 self._update_lag(consumer)
 
-    def _apply(self, consumer: Consumer, applier: Any, records: Sequence[Any]) -> None:
+    def _prepare(self, records: Sequence[Any]) -> list[Item]:
         items = []
         for record in records:
-            tp = (record.topic(), record.partition())
-            if tp in self._waiting:
-                continue  # fetched before the partition was paused; read again after the seek
+            error = record.error()
+            if error is not None:
+                if error.code() in _BROKER_DOWN:
+                    self.health.kafka_ok = False
+                else:
+                    log.warning("Kafka error", extra={"error": str(error)})
+                continue
             raw = RawRecord(
-                tp[0],
-                tp[1],
+                record.topic(),
+                record.partition(),
                 record.offset(),
                 record.key(),
                 record.value(),
                 tuple(record.headers() or ()),
             )
-            item = prepare(self.inbox, raw)
+            items.append(prepare(self.inbox, raw))
+        return items
+
+    def _still_wanted(self, items: list[Item]) -> list[Item]:
+        """The items to apply now: not of a partition paused for a retry (read before it was
+        sought back; read again after the seek) or no longer assigned."""
+        wanted = []
+        for item in items:
+            tp = item.tp
+            if tp in self._waiting or tp not in self._assigned:
+                continue
             failure = self._failures.get(tp)
-            if failure is not None and failure.offset == raw.offset:
+            if failure is not None and failure.offset == item.record.offset:
                 item.failures = failure.attempts
-            items.append(item)
-        if not items:
-            return
+            wanted.append(item)
+        return wanted
+
+    def _apply(self, items: Sequence[Item]) -> BatchResult | None:
+        """On the database thread: apply one batch; while the database is out of reach, keep
+        it and try again with backoff. None when stopped meanwhile (nothing of it
+        committed: it is read again)."""
+        assert self._applier is not None
         outage = 0
         while True:
             started = time.perf_counter()
             try:
-                result = applier.apply(items)
-                break
+                result = self._applier.apply(items)
             except DatabaseUnavailable as exc:
                 self.health.database_ok = False
                 outage += 1
@@ -238,9 +256,20 @@ class InboxRunner(Stoppable):
                 )
                 self.health.tick()
                 if self._stop.wait(delay):
-                    return  # stopping: nothing of this batch committed; it will be read again
-        self.health.database_ok = True
-        self.metrics.batch_seconds.observe(time.perf_counter() - started)
+                    return None
+                continue
+            self.health.database_ok = True
+            self.metrics.batch_seconds.observe(time.perf_counter() - started)
+            return result
+
+    def _settle(self, consumer: Consumer, leaving: Collection[TP] = ()) -> None:
+        """Wait for the batch in hand and take in its result: the offsets to commit, and the
+        partitions a failing record holds back (sought back to it and paused, unless they
+        are ``leaving``)."""
+        in_hand, self._in_hand = self._in_hand, None
+        result = in_hand.result() if in_hand is not None else None
+        if result is None:
+            return
         self.offsets.applied(result.next_offsets)
         for tp, next_offset in result.next_offsets.items():
             failure = self._failures.get(tp)
@@ -248,6 +277,8 @@ class InboxRunner(Stoppable):
                 del self._failures[tp]
         for tp, failure in result.blocked.items():
             self._failures[tp] = failure
+            if tp in leaving or tp not in self._assigned:
+                continue
             partition = TopicPartition(tp[0], tp[1], failure.offset)
             consumer.pause([partition])
             consumer.seek(partition)
@@ -274,12 +305,15 @@ class InboxRunner(Stoppable):
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {(p.topic, p.partition) for p in partitions}
-        self.offsets.commit_now(consumer, only=revoked)  # committed before others read
+        self._settle(consumer, leaving=revoked)  # the batch in hand is finished first
+        self.offsets.commit_now(consumer, only=revoked)  # then committed, before others read
         self._forget(revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may own them already; do not commit for them.
-        self._forget({(p.topic, p.partition) for p in partitions})
+        lost = {(p.topic, p.partition) for p in partitions}
+        self._settle(consumer, leaving=lost)
+        self._forget(lost)
 
     def _forget(self, partitions: set[TP]) -> None:
         self.offsets.forget(partitions)
@@ -306,9 +340,11 @@ class InboxRunner(Stoppable):
         except KafkaException:
             pass  # a metric, not worth failing a loop over
 
-    def _apply_requeued(self, applier: Any) -> None:
+    def _apply_requeued(self) -> None:
+        """On the database thread, between two batches."""
+        assert self._applier is not None
         try:
-            applier.apply_requeued()
+            self._applier.apply_requeued()
         except DatabaseUnavailable as exc:
             log.warning("could not look for requeued messages", extra={"error": str(exc)})
 
