@@ -8,12 +8,17 @@ with an ``outbox-id`` header, 10,000 keys, 6 partitions) and the same batch size
   pg-cycle    a bare PostgreSQL cycle: one transaction per batch, one INSERT of a ledger row
               per message (psycopg, no SQLAlchemy)
   sa-cycle    for reference, not a baseline: the pg-cycle's inserts made through a SQLAlchemy
-              Session (what the inbox's handler does), to show what the ORM layer costs
+              Session (what the inbox's per-message handler does), to show what the ORM
+              layer costs
   inbox       `outbox consume` processes whose handler inserts that same ledger row through
-              the session it is given: 1 and 3 consumers, each run a new consumer group
+              the session it is given, one statement per message (`@inbox.handler`): 1 and 3
+              consumers, each run a new consumer group
+  inbox batch the same with a batch handler (`@inbox.batch_handler`): the batch's ledger rows
+              in one statement (executemany): 1 and 3 consumers
 
 The inbox's rate is N over the span of its ledger rows' commit times (from the first row
-written to the last), so process start-up and the group join are not counted.
+written to the last), so process start-up and the group join are not counted. The last line
+is one JSON object: the rates, and each inbox configuration's ratio to min(baselines).
 
 Run: make bench-consume   (BENCH_ARGS="--n 20000" for a quick run)
 """
@@ -44,6 +49,10 @@ from outbox.inbox import install as install_inbox
 PARTITIONS = 6
 KEYS = 10_000
 TOPIC = "bench-consume"
+BATCH_TARGET = "bench.consume:batch_inbox"
+INBOX_RUNS = ("inbox x1", "inbox x3", "inbox batch x1", "inbox batch x3")
+#: Issue 13's floor: an inbox configuration's rate over min(baselines), at batch size 500.
+FLOOR = 0.5
 
 LEDGER_DDL = """
 CREATE TABLE IF NOT EXISTS {name} (
@@ -55,14 +64,24 @@ CREATE TABLE IF NOT EXISTS {name} (
 """
 _INSERT = sa.text("INSERT INTO ledger (message_id, n, amount) VALUES (:id, :n, :amount)")
 
-# The application `outbox consume bench.consume:inbox` runs.
+# The applications `outbox consume bench.consume:inbox` (one statement per message) and
+# `bench.consume:batch_inbox` (one statement per batch) run.
 inbox = Inbox(group=os.environ.get("BENCH_GROUP", "bench"))
+batch_inbox = Inbox(group=os.environ.get("BENCH_GROUP", "bench"))
+
+
+def _row(message: InboxMessage) -> dict[str, object]:
+    return {"id": message.id, "n": message.value["n"], "amount": message.value["amount"]}
 
 
 @inbox.handler(TOPIC)
 def on_record(message: InboxMessage, session: Session) -> None:
-    value = message.value
-    session.execute(_INSERT, {"id": message.id, "n": value["n"], "amount": value["amount"]})
+    session.execute(_INSERT, _row(message))
+
+
+@batch_inbox.batch_handler(TOPIC)
+def on_records(messages: list[InboxMessage], session: Session) -> None:
+    session.execute(_INSERT, [_row(message) for message in messages])
 
 
 @dataclass
@@ -148,7 +167,14 @@ def session_cycle(url: str, n: int, batch_size: int) -> Run:
 
 
 def run_inbox(
-    name: str, info_url: str, bootstrap: str, count: int, n: int, batch_size: int, log: Path
+    name: str,
+    target: str,
+    info_url: str,
+    bootstrap: str,
+    count: int,
+    n: int,
+    batch_size: int,
+    log: Path,
 ) -> Run:
     engine = sa.create_engine(info_url)
     with engine.begin() as conn:
@@ -168,7 +194,7 @@ def run_inbox(
                     "-m",
                     "outbox.cli",
                     "consume",
-                    "bench.consume:inbox",
+                    target,
                     "--batch-size",
                     str(batch_size),
                 ],
@@ -238,32 +264,37 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"  {runs[-1].name}: {runs[-1].rate:,.0f} msgs/s", flush=True)
         runs.append(session_cycle(info.database_url, n, batch))
         print(f"  {runs[-1].name}: {runs[-1].rate:,.0f} msgs/s (reference)", flush=True)
-        for count in (1, 3):
-            name = f"inbox x{count}"
-            runs.append(
-                run_inbox(name, info.database_url, info.bootstrap_servers, count, n, batch, log)
-            )
-            print(f"  {name}: {runs[-1].rate:,.0f} msgs/s", flush=True)
+        for label, target in (("inbox", "bench.consume:inbox"), ("inbox batch", BATCH_TARGET)):
+            for count in (1, 3):
+                name = f"{label} x{count}"
+                url, bootstrap = info.database_url, info.bootstrap_servers
+                runs.append(run_inbox(name, target, url, bootstrap, count, n, batch, log))
+                print(f"  {name}: {runs[-1].rate:,.0f} msgs/s", flush=True)
 
     rates = {run.name: run.rate for run in runs}
     floor = min(rates["bare kafka consumer"], rates["bare PG insert cycle"])
     session = "SQLAlchemy session cycle"
+    ratios = {name: round(rates[name] / floor, 3) for name in INBOX_RUNS}
+    meets = {name: ratio >= FLOOR for name, ratio in ratios.items()}
     figures = {
         "n": n,
         "batch_size": batch,
         "msgs_per_s": {k: round(v) for k, v in rates.items()},
-        "ratio_inbox_vs_min_baseline": round(rates["inbox x1"] / floor, 3),
-        "ratio_inbox_x3_vs_min_baseline": round(rates["inbox x3"] / floor, 3),
+        "ratio_inbox_vs_min_baseline": ratios["inbox x1"],
+        "ratio_inbox_x3_vs_min_baseline": ratios["inbox x3"],
         "ratio_inbox_vs_session_cycle": round(rates["inbox x1"] / rates[session], 3),
+        "ratio_session_cycle_vs_min_baseline": round(rates[session] / floor, 3),
+        "ratio_inbox_batch_vs_min_baseline": ratios["inbox batch x1"],
+        "ratio_inbox_batch_x3_vs_min_baseline": ratios["inbox batch x3"],
+        "meets_floor": meets,
     }
     print()
-    print(f"{'configuration':<24}{'msgs/s':>12}{'vs min(baselines)':>20}")
+    print(f"{'configuration':<28}{'msgs/s':>12}{'vs min(baselines)':>20}")
     for run in runs:
-        print(f"{run.name:<24}{run.rate:>12,.0f}{run.rate / floor:>20.2f}")
-    print(
-        f"inbox / min(baselines): x1 {figures['ratio_inbox_vs_min_baseline']}, "
-        f"x3 {figures['ratio_inbox_x3_vs_min_baseline']}   (floor >= 0.5)"
-    )
+        print(f"{run.name:<28}{run.rate:>12,.0f}{run.rate / floor:>20.2f}")
+    for name in INBOX_RUNS:
+        verdict = "meets" if meets[name] else "below"
+        print(f"{name} / min(baselines): {ratios[name]}  ({verdict} the floor of {FLOOR})")
     print(f"inbox x1 / SQLAlchemy session cycle: {figures['ratio_inbox_vs_session_cycle']}")
     print(json.dumps(figures))
     return figures

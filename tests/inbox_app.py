@@ -48,6 +48,8 @@ _FAIL = sa.text(
 
 #: Attempts per n, for tests that run the runner in a thread.
 ATTEMPTS: dict[int, int] = {}
+#: How many messages each call of a batch handler got.
+BATCH_SIZES: list[int] = []
 _lock = threading.Lock()
 
 
@@ -73,21 +75,44 @@ def apply(message: InboxMessage, session: Any) -> dict[str, Any]:
     }
 
 
+def fail_if_planned(message: InboxMessage, session: Session) -> None:
+    """Raise :class:`PlannedFailure` while the fail_plan table says this n fails."""
+    if not message.value.get("fail"):
+        return
+    n = message.value["n"]
+    # The plan is decremented in its own transaction: the handler's own writes roll back
+    # with its savepoint (or its batch), the plan must not.
+    with session.get_bind().connect() as conn:  # type: ignore[union-attr]
+        left = conn.execute(_FAIL, {"n": n}).first()
+        conn.commit()
+    if left is not None:
+        raise PlannedFailure(f"planned failure of n={n}")
+
+
 def make_inbox(topics: list[str], group: str, **options: Any) -> Inbox:
     inbox = Inbox(group=group, **options)
 
     @inbox.handler(*topics)
     def on_order(message: InboxMessage, session: Session) -> None:
         row = apply(message, session)
-        # The planned failure is decremented in its own transaction: the handler's own
-        # writes roll back with its savepoint, the plan must not.
-        if message.value.get("fail"):
-            with session.get_bind().connect() as conn:  # type: ignore[union-attr]
-                left = conn.execute(_FAIL, {"n": row["n"]}).first()
-                conn.commit()
-            if left is not None:
-                raise PlannedFailure(f"planned failure of n={row['n']}")
+        fail_if_planned(message, session)
         session.execute(_INSERT, row)
+
+    return inbox
+
+
+def make_batch_inbox(topics: list[str], group: str) -> Inbox:
+    """The same service with a batch handler: one INSERT statement per batch."""
+    inbox = Inbox(group=group)
+
+    @inbox.batch_handler(*topics)
+    def on_orders(messages: list[InboxMessage], session: Session) -> None:
+        BATCH_SIZES.append(len(messages))
+        rows = []
+        for message in messages:
+            rows.append(apply(message, session))
+            fail_if_planned(message, session)
+        session.execute(_INSERT, rows)
 
     return inbox
 
@@ -98,6 +123,17 @@ def make_async_inbox(topics: list[str], group: str) -> Inbox:
     @inbox.handler(*topics)
     async def on_order(message: InboxMessage, session: Any) -> None:
         await session.execute(_INSERT, apply(message, session))
+
+    return inbox
+
+
+def make_async_batch_inbox(topics: list[str], group: str) -> Inbox:
+    inbox = Inbox(group=group)
+
+    @inbox.batch_handler(*topics)
+    async def on_orders(messages: list[InboxMessage], session: Any) -> None:
+        BATCH_SIZES.append(len(messages))
+        await session.execute(_INSERT, [apply(message, session) for message in messages])
 
     return inbox
 

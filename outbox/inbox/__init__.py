@@ -15,9 +15,14 @@ again finds its row and is skipped, so its effects happen once. See docs/inbox.m
     @inbox.handler("orders")
     def on_order(message: InboxMessage, session: Session) -> None:
         session.execute(insert(ledger).values(order_id=message.value["order_id"]))
+
+The runner and the migrations load on first use, so that ``outbox consume`` and ``outbox
+inbox`` set up their signal handling before librdkafka, Alembic and the Prometheus client.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from outbox.decoding import (
     BytesDeserializer,
@@ -27,10 +32,12 @@ from outbox.decoding import (
 )
 from outbox.inbox.api import BY_OFFSET, PARK, Inbox, InboxMessage, RawRecord, load_inbox
 from outbox.inbox.config import ConsumerConfig
-from outbox.inbox.migrate import declare_inbox, install
-from outbox.inbox.runner import InboxRunner
 from outbox.inbox.schema import InboxTableSpec
 from outbox.inbox.store import InboxStore
+
+if TYPE_CHECKING:
+    from outbox.inbox.migrate import declare_inbox, install
+    from outbox.inbox.runner import InboxRunner
 
 __all__ = [
     "BY_OFFSET",
@@ -50,3 +57,20 @@ __all__ = [
     "install",
     "load_inbox",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The runner brings librdkafka and the Prometheus client, the migrations Alembic.
+    if name == "InboxRunner":
+        from outbox.inbox.runner import InboxRunner
+
+        return InboxRunner
+    if name in ("declare_inbox", "install"):
+        from outbox.inbox import migrate
+
+        return getattr(migrate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -9,6 +9,10 @@
         session.add(LedgerEntry(order_id=message.value["order_id"], ...))
         outbox.publish(session, "invoices", {...})  # commits with the effects, or not at all
 
+    @inbox.batch_handler("payments")
+    def on_payments(messages: list[InboxMessage], session: Session) -> None:
+        session.execute(insert(payments), [m.value for m in messages])  # one statement
+
 The runner (``outbox consume module:inbox``) hands each handler a session inside an open
 transaction; the inbox row that marks the message as applied is written in that same
 transaction, so the effects happen once however often Kafka delivers the record.
@@ -20,6 +24,7 @@ import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from outbox.decoding import Deserializer, JsonDeserializer, last_header
@@ -66,6 +71,8 @@ class RawRecord:
 IdentityFn: TypeAlias = Callable[[RawRecord], "str | None"]
 SyncHandler: TypeAlias = Callable[[InboxMessage, Any], None]
 AsyncHandler: TypeAlias = Callable[[InboxMessage, Any], Awaitable[None]]
+SyncBatchHandler: TypeAlias = Callable[[list[InboxMessage], Any], None]
+AsyncBatchHandler: TypeAlias = Callable[[list[InboxMessage], Any], Awaitable[None]]
 
 #: Records without the id header are parked (the default): nothing is applied unchecked.
 PARK = "park"
@@ -113,9 +120,10 @@ class Inbox:
         self.id_header = id_header
         self.missing_id = missing_id
         self._handlers: dict[str, Callable[..., Any]] = {}
+        self._batch_topics: set[str] = set()
 
     def handler(self, *topics: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator: ``fn(message, session)`` handles records of ``topics``.
+        """Decorator: ``fn(message, session)`` handles records of ``topics``, one at a time.
 
         Every handler of one inbox is either a plain function (it gets a ``Session``) or a
         coroutine function (it gets an ``AsyncSession``).
@@ -127,8 +135,33 @@ class Inbox:
 
         return register
 
+    def batch_handler(self, *topics: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: ``fn(messages, session)`` handles the records of ``topics`` a batch at
+        a time, so that it can write all their rows with one statement.
+
+        ``messages`` are the batch's new messages of one topic (duplicates already left out),
+        in the order read, so in offset order per partition. If ``fn`` raises, the batch is
+        rolled back and applied again one message at a time, each in a savepoint of its own
+        (``fn`` then gets one-message lists): the failing message is retried and parked like
+        a :meth:`handler`'s, the others commit. Plain or coroutine function, as for
+        :meth:`handler`.
+        """
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.add_batch_handler(fn, *topics)
+            return fn
+
+        return register
+
     def add_handler(self, fn: Callable[..., Any], *topics: str) -> None:
         """Register ``fn`` for ``topics`` (what :meth:`handler` does)."""
+        self._register(fn, topics, batch=False)
+
+    def add_batch_handler(self, fn: Callable[..., Any], *topics: str) -> None:
+        """Register ``fn`` for batches of ``topics`` (what :meth:`batch_handler` does)."""
+        self._register(fn, topics, batch=True)
+
+    def _register(self, fn: Callable[..., Any], topics: tuple[str, ...], batch: bool) -> None:
         if callable(fn) and self._handlers and self.is_async != inspect.iscoroutinefunction(fn):
             raise ConfigError(
                 "an inbox's handlers must be all sync or all async (one session kind per "
@@ -137,6 +170,8 @@ class Inbox:
         register_once(
             self._handlers, fn, topics, validate=validate_topic, what="handler", name_kind="topic"
         )
+        if batch:
+            self._batch_topics.update(topics)
 
     @property
     def topics(self) -> list[str]:
@@ -144,7 +179,12 @@ class Inbox:
 
     @property
     def handlers(self) -> Mapping[str, Callable[..., Any]]:
-        return dict(self._handlers)
+        """Every topic's handler, per-message and batch ones alike (read-only)."""
+        return MappingProxyType(self._handlers)
+
+    def takes_batches(self, topic: str) -> bool:
+        """Whether ``topic``'s handler is a batch handler."""
+        return topic in self._batch_topics
 
     @property
     def is_async(self) -> bool:

@@ -6,34 +6,41 @@ the inbox rows, the parked rows and whatever the handlers published through the 
 
 Two ways through a batch:
 
-- **fast**: all inbox rows in one statement, then the handlers, no savepoints. A batch in
-  which every handler succeeds (nearly all of them) costs one round trip for the inbox.
-- **careful**: a savepoint per record, so a failing handler rolls back its own record only.
-  A batch falls back to it when a handler fails on the fast way (after rolling it all back),
-  and takes it at once when it holds a record that failed before.
+- **fast**: all inbox rows in one statement, then the handlers, no savepoints; a batch
+  handler gets all its topic's new messages in one call, and the session is flushed once,
+  at the end. A batch in which every handler succeeds (nearly all of them) costs one round
+  trip for the inbox.
+- **careful**: a savepoint per record, so a failing handler rolls back its own record only
+  (a batch handler gets one-message lists there). A batch falls back to it when anything
+  fails on the fast way (after rolling it all back), and takes it at once when it holds a
+  record that failed before.
 
 A failing record blocks the rest of its partition in this batch (order per partition); the
 runner seeks back to it and retries after a backoff, and parks it after the last attempt.
+
+The algorithm is written once, as coroutines, for both kinds of session:
+:mod:`outbox.inbox.sessions` runs it on a plain ``Session`` (where no step ever waits) and
+on an ``AsyncSession``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
 from outbox.inbox.api import Inbox, InboxMessage, RawRecord
 from outbox.inbox.metrics import InboxMetrics
 from outbox.inbox.schema import HANDLER_FAILED
 from outbox.inbox.store import Claim, InboxStore
-from outbox.tracing import consumer_span
+from outbox.tracing import consumer_span, otel_loaded
 
 log = logging.getLogger("outbox.inbox")
 
@@ -82,6 +89,33 @@ class BatchResult:
     parked: int = 0
 
 
+class Transaction(Protocol):
+    """One open database transaction, as the applier drives it (see
+    :mod:`outbox.inbox.sessions` for the two kinds)."""
+
+    #: what handlers get: a ``Session`` or an ``AsyncSession``
+    session: Any
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(connection_or_session, *args)``: one of the store's statements."""
+
+    async def call(self, handler: Callable[..., Any], argument: Any) -> None:
+        """``handler(argument, session)``, awaited when it is a coroutine function."""
+
+    async def flush(self) -> None:
+        """Send the handlers' pending ORM writes, so that they fail here if they fail."""
+
+    async def savepoint(self) -> Any: ...
+
+    async def release(self, savepoint: Any) -> None: ...
+
+    async def rollback(self, savepoint: Any) -> None: ...
+
+
+#: Opens a transaction that commits when the block ends (rolls back on an exception).
+Begin = Callable[[], AbstractAsyncContextManager[Transaction]]
+
+
 def _short_error(exc: BaseException) -> str:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return text[:2000]
@@ -91,11 +125,15 @@ def _broken_connection(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError) and bool(exc.connection_invalidated)
 
 
+def database_error(exc: BaseException) -> DatabaseUnavailable:
+    """What the appliers raise for an error of the database itself."""
+    return DatabaseUnavailable(_short_error(exc))
+
+
 class _Ledger:
     """Counts and offsets of one batch, the same for every way through it."""
 
-    def __init__(self, inbox: Inbox, metrics: InboxMetrics, max_attempts: int) -> None:
-        self.inbox = inbox
+    def __init__(self, metrics: InboxMetrics, max_attempts: int) -> None:
         self.metrics = metrics
         self.max_attempts = max_attempts
         self.result = BatchResult()
@@ -161,12 +199,12 @@ class _Ledger:
 
     def publish_metrics(self) -> BatchResult:
         m = self.metrics
-        for topic in self.applied_topics:
-            m.processed.labels(topic).inc()
-        for topic in self.duplicate_topics:
-            m.duplicates.labels(topic).inc()
-        for topic, reason in self.parked_topics:
-            m.parked.labels(topic, reason).inc()
+        for topic, count in Counter(self.applied_topics).items():
+            m.processed.labels(topic).inc(count)
+        for topic, count in Counter(self.duplicate_topics).items():
+            m.duplicates.labels(topic).inc(count)
+        for (topic, reason), count in Counter(self.parked_topics).items():
+            m.parked.labels(topic, reason).inc(count)
         return self.result
 
 
@@ -177,142 +215,174 @@ def _claim(item: Item) -> Claim:
 
 
 class _FastPathFailed(Exception):
-    def __init__(self, item: Item) -> None:
+    """Something failed on the fast way; ``item`` is the record whose handler raised, when
+    one record can be blamed (not for a batch handler, nor for the final flush)."""
+
+    def __init__(self, item: Item | None) -> None:
         self.item = item
 
 
-class SyncApplier:
-    """Applies batches with plain handlers, each given the batch's ``Session``."""
+class Applier:
+    """Applies batches of :class:`Item` through the inbox's handlers, in transactions that
+    ``begin`` opens."""
 
     def __init__(
         self,
-        engine: sa.Engine,
+        begin: Begin,
         inbox: Inbox,
         store: InboxStore,
         metrics: InboxMetrics,
         max_attempts: int,
     ) -> None:
-        self.engine = engine
+        self.begin = begin
         self.inbox = inbox
         self.store = store
         self.metrics = metrics
         self.max_attempts = max_attempts
+        self._handlers = inbox.handlers
 
-    def apply(self, items: Sequence[Item]) -> BatchResult:
-        try:
-            if not any(item.failures for item in items):
-                try:
-                    return self._run(items, careful=False)
-                except _FastPathFailed as failed:
-                    # Rolled back; the careful way applies the others and retries this one.
-                    item, cause = failed.item, failed.__cause__
+    async def apply(self, items: Sequence[Item]) -> BatchResult:
+        """Apply ``items`` in one transaction; raises :class:`DatabaseUnavailable` when the
+        database failed (then nothing of the batch committed)."""
+        if not any(item.failures for item in items):
+            try:
+                return await self._run(items, careful=False)
+            except _FastPathFailed as failed:
+                # Rolled back; the careful way applies the others and retries the culprit.
+                if failed.item is not None:
+                    cause = failed.__cause__
                     assert cause is not None
-                    item.failures += 1
-                    item.last_error = _short_error(cause)
-                    self.metrics.retried.labels(item.record.topic).inc()
-            return self._run(items, careful=True)
-        except DatabaseUnavailable:
-            raise
-        except (sa.exc.DBAPIError, OSError) as exc:
-            raise DatabaseUnavailable(_short_error(exc)) from exc
+                    failed.item.failures += 1
+                    failed.item.last_error = _short_error(cause)
+                    self.metrics.retried.labels(failed.item.record.topic).inc()
+        return await self._run(items, careful=True)
 
-    def _run(self, items: Sequence[Item], careful: bool) -> BatchResult:
-        ledger = _Ledger(self.inbox, self.metrics, self.max_attempts)
+    async def _run(self, items: Sequence[Item], careful: bool) -> BatchResult:
+        ledger = _Ledger(self.metrics, self.max_attempts)
         group = self.inbox.group
-        with Session(self.engine) as session, session.begin():
+        async with self.begin() as tx:
             new: set[str] = set()
             if not careful:
                 claims = [_claim(i) for i in items if i.park is None]
-                new = self.store.claim_many(session, group, claims)
+                new = await tx.run(self.store.claim_many, group, claims)
+            batches: dict[str, list[Item]] = {}  # batch handlers' new messages, per topic
             for item in items:
                 if ledger.blocked(item):
                     continue
                 if item.park is not None:
-                    self._park(session, ledger, item, *item.park, attempts=0)
+                    await self._park(tx, ledger, item, *item.park, attempts=0)
                     continue
                 if not ledger.first_time(item):
                     ledger.duplicate(item)
                     continue
                 if careful:
-                    self._careful(session, ledger, item)
+                    await self._careful(tx, ledger, item)
                 elif item.identity not in new:
                     ledger.duplicate(item)
+                elif self.inbox.takes_batches(item.record.topic):
+                    batches.setdefault(item.record.topic, []).append(item)
                 else:
-                    try:
-                        self._call(session, item)
-                    except Exception as exc:
-                        if _broken_connection(exc):
-                            raise DatabaseUnavailable(_short_error(exc)) from exc
-                        raise _FastPathFailed(item) from exc
+                    await self._fast(tx, item, item)
                     ledger.applied(item)
+            for topic_items in batches.values():
+                await self._fast(tx, topic_items, None)
+                for item in topic_items:
+                    ledger.applied(item)
+            if not careful:
+                await self._fast(tx, None, None)  # the handlers' ORM writes, in one flush
         return ledger.publish_metrics()
 
-    def _careful(self, session: Session, ledger: _Ledger, item: Item) -> None:
-        if item.failures >= self.max_attempts:  # its last attempt was on the fast way
-            error = item.last_error or "handler failed"
-            self._park(session, ledger, item, HANDLER_FAILED, error, attempts=item.failures)
-            return
-        savepoint = session.begin_nested()
+    async def _fast(
+        self, tx: Transaction, what: Item | list[Item] | None, blame: Item | None
+    ) -> None:
+        """Run one handler call (a record, a topic's batch) or, for None, the final flush;
+        a failure becomes :class:`_FastPathFailed` (or :class:`DatabaseUnavailable`)."""
         try:
-            if not self.store.claim_one(session, self.inbox.group, _claim(item)):
-                savepoint.commit()
-                ledger.duplicate(item)
-                return
-            self._call(session, item)
-            savepoint.commit()
+            if what is None:
+                await tx.flush()
+            else:
+                await self._call(tx, what)
         except Exception as exc:
             if _broken_connection(exc):
-                raise DatabaseUnavailable(_short_error(exc)) from exc
+                raise database_error(exc) from exc
+            raise _FastPathFailed(blame) from exc
+
+    async def _careful(self, tx: Transaction, ledger: _Ledger, item: Item) -> None:
+        if item.failures >= self.max_attempts:  # its last attempt was on the fast way
+            error = item.last_error or "handler failed"
+            await self._park(tx, ledger, item, HANDLER_FAILED, error, attempts=item.failures)
+            return
+        savepoint = await tx.savepoint()
+        try:
+            if not await tx.run(self.store.claim_one, self.inbox.group, _claim(item)):
+                await tx.release(savepoint)
+                ledger.duplicate(item)
+                return
+            await self._call(tx, [item] if self.inbox.takes_batches(item.record.topic) else item)
+            await tx.flush()
+            await tx.release(savepoint)
+        except Exception as exc:
+            if _broken_connection(exc):
+                raise database_error(exc) from exc
             try:
-                savepoint.rollback()
+                await tx.rollback(savepoint)
             except sa.exc.DBAPIError as lost:
-                raise DatabaseUnavailable(_short_error(lost)) from exc
+                raise database_error(lost) from exc
             parked = ledger.failed(item, exc)
             if parked is not None:
-                self._park(session, ledger, item, HANDLER_FAILED, parked[0], attempts=parked[1])
+                await self._park(tx, ledger, item, HANDLER_FAILED, parked[0], attempts=parked[1])
             return
         ledger.applied(item)
 
-    def _call(self, session: Session, item: Item) -> None:
-        assert item.message is not None
-        handler = self.inbox.handlers[item.record.topic]
+    async def _call(self, tx: Transaction, what: Item | list[Item]) -> None:
+        """Call the handler of one record, or the batch handler of one topic's records."""
+        first = what if isinstance(what, Item) else what[0]
+        argument: Any = what.message if isinstance(what, Item) else [i.message for i in what]
+        topic = first.record.topic
+        handler = self._handlers[topic]
         started = time.perf_counter()
-        with consumer_span(item.record.topic, item.record.headers, self.inbox.group):
-            handler(item.message, session)
-        if session.new or session.dirty or session.deleted:
-            session.flush()  # the handler's ORM writes fail here, on their own record
-        self.metrics.observe_handler(item.record.topic, time.perf_counter() - started)
+        if otel_loaded():
+            with consumer_span(topic, first.record.headers, self.inbox.group):
+                await tx.call(handler, argument)
+        else:
+            await tx.call(handler, argument)
+        seconds = time.perf_counter() - started
+        if isinstance(what, Item):
+            self.metrics.observe_handler(topic, seconds)
+        else:
+            self.metrics.observe_batch_handler(topic, seconds)
 
-    def _park(
-        self, session: Session, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int
+    async def _park(
+        self, tx: Transaction, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int
     ) -> None:
-        self.store.park(
-            session, self.inbox.group, item.record, item.identity, reason, error, attempts
-        )
+        group = self.inbox.group
+        await tx.run(self.store.park, group, item.record, item.identity, reason, error, attempts)
         ledger.parked(item, reason)
 
-    def apply_requeued(self, limit: int = 100) -> int:
-        """Apply parked messages an operator marked for retry; returns how many were handled."""
-        try:
-            with Session(self.engine) as session, session.begin():
-                rows = self.store.take_requeued(session, self.inbox.group, limit)
-                for row in rows:
-                    item = requeued_item(self.inbox, row)
-                    savepoint = session.begin_nested()
-                    try:
-                        if item.park is not None:
-                            raise ValueError(item.park[1])
-                        if self.store.claim_one(session, self.inbox.group, _claim(item)):
-                            self._call(session, item)
-                        savepoint.commit()
-                    except Exception as exc:
-                        savepoint.rollback()
-                        self.store.repark(session, row.id, _short_error(exc))
-                        continue
-                    self.store.unpark(session, row.id)
-                return len(rows)
-        except (sa.exc.DBAPIError, OSError) as exc:
-            raise DatabaseUnavailable(_short_error(exc)) from exc
+    async def apply_requeued(self, limit: int = 100) -> int:
+        """Apply parked messages an operator marked for retry; returns how many were handled.
+
+        Each in a savepoint of its own: one that fails again is parked again with its new
+        error, one applied meanwhile (a later copy) only leaves the parked table."""
+        async with self.begin() as tx:
+            rows = await tx.run(self.store.take_requeued, self.inbox.group, limit)
+            for row in rows:
+                item = requeued_item(self.inbox, row)
+                savepoint = await tx.savepoint()
+                try:
+                    if item.park is not None:
+                        raise ValueError(item.park[1])
+                    if await tx.run(self.store.claim_one, self.inbox.group, _claim(item)):
+                        batch = self.inbox.takes_batches(item.record.topic)
+                        await self._call(tx, [item] if batch else item)
+                        await tx.flush()
+                    await tx.release(savepoint)
+                except Exception as exc:
+                    await tx.rollback(savepoint)
+                    await tx.run(self.store.repark, row.id, _short_error(exc))
+                    continue
+                await tx.run(self.store.unpark, row.id)
+            return len(rows)
 
 
 def requeued_item(inbox: Inbox, row: Any) -> Item:
@@ -342,131 +412,3 @@ def prepare(inbox: Inbox, record: RawRecord, identity: str | None = None) -> Ite
     except Exception as exc:  # any deserializer error: retrying would not help
         return Item(record, identity, None, park=(UNDECODABLE, _short_error(exc)))
     return Item(record, identity, message)
-
-
-class AsyncApplier:
-    """Applies batches with coroutine handlers, each given an ``AsyncSession``.
-
-    Always the careful way (a savepoint per record). Runs on an event loop of its own, so the
-    runner around it stays one plain thread.
-    """
-
-    def __init__(
-        self,
-        database_url: str,
-        inbox: Inbox,
-        store: InboxStore,
-        metrics: InboxMetrics,
-        max_attempts: int,
-    ) -> None:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        self._loop = asyncio.Runner()
-        self.engine = self._loop.run(_make_engine(create_async_engine, database_url))
-        self.inbox = inbox
-        self.store = store
-        self.metrics = metrics
-        self.max_attempts = max_attempts
-
-    def close(self) -> None:
-        self._loop.run(self.engine.dispose())
-        self._loop.close()
-
-    def apply(self, items: Sequence[Item]) -> BatchResult:
-        try:
-            return self._loop.run(self._run(items))
-        except DatabaseUnavailable:
-            raise
-        except (sa.exc.DBAPIError, OSError) as exc:
-            raise DatabaseUnavailable(_short_error(exc)) from exc
-
-    async def _run(self, items: Sequence[Item]) -> BatchResult:
-        from sqlalchemy.ext.asyncio import AsyncSession
-
-        ledger = _Ledger(self.inbox, self.metrics, self.max_attempts)
-        group = self.inbox.group
-        async with AsyncSession(self.engine) as session, session.begin():
-            for item in items:
-                if ledger.blocked(item):
-                    continue
-                if item.park is not None:
-                    await self._park(session, ledger, item, *item.park, attempts=0)
-                    continue
-                if not ledger.first_time(item):
-                    ledger.duplicate(item)
-                    continue
-                savepoint = await session.begin_nested()
-                try:
-                    new = await session.run_sync(self.store.claim_one, group, _claim(item))
-                    if new:
-                        await self._call(session, item)
-                    await savepoint.commit()
-                except Exception as exc:
-                    if _broken_connection(exc):
-                        raise DatabaseUnavailable(_short_error(exc)) from exc
-                    try:
-                        await savepoint.rollback()
-                    except sa.exc.DBAPIError as lost:
-                        raise DatabaseUnavailable(_short_error(lost)) from exc
-                    parked = ledger.failed(item, exc)
-                    if parked is not None:
-                        await self._park(
-                            session, ledger, item, HANDLER_FAILED, parked[0], attempts=parked[1]
-                        )
-                    continue
-                if new:
-                    ledger.applied(item)
-                else:
-                    ledger.duplicate(item)
-        return ledger.publish_metrics()
-
-    async def _call(self, session: Any, item: Item) -> None:
-        handler = self.inbox.handlers[item.record.topic]
-        started = time.perf_counter()
-        with consumer_span(item.record.topic, item.record.headers, self.inbox.group):
-            await handler(item.message, session)
-        await session.flush()
-        self.metrics.observe_handler(item.record.topic, time.perf_counter() - started)
-
-    async def _park(
-        self, session: Any, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int
-    ) -> None:
-        group = self.inbox.group
-        await session.run_sync(
-            lambda s: self.store.park(s, group, item.record, item.identity, reason, error, attempts)
-        )
-        ledger.parked(item, reason)
-
-    def apply_requeued(self, limit: int = 100) -> int:
-        try:
-            return self._loop.run(self._requeued(limit))
-        except (sa.exc.DBAPIError, OSError) as exc:
-            raise DatabaseUnavailable(_short_error(exc)) from exc
-
-    async def _requeued(self, limit: int) -> int:
-        from sqlalchemy.ext.asyncio import AsyncSession
-
-        group = self.inbox.group
-        async with AsyncSession(self.engine) as session, session.begin():
-            rows = await session.run_sync(self.store.take_requeued, group, limit)
-            for row in rows:
-                item = requeued_item(self.inbox, row)
-                savepoint = await session.begin_nested()
-                try:
-                    if item.park is not None:
-                        raise ValueError(item.park[1])
-                    if await session.run_sync(self.store.claim_one, group, _claim(item)):
-                        await self._call(session, item)
-                    await savepoint.commit()
-                except Exception as exc:
-                    await savepoint.rollback()
-                    error = _short_error(exc)
-                    await session.run_sync(self.store.repark, row.id, error)
-                    continue
-                await session.run_sync(self.store.unpark, row.id)
-            return len(rows)
-
-
-async def _make_engine(factory: Callable[..., Any], url: str) -> Any:
-    # Made inside the loop that will use it.
-    return factory(url)

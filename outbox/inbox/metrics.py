@@ -45,6 +45,13 @@ class InboxMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
             registry=r,
         )
+        self.batch_handler_seconds = Histogram(
+            "outbox_inbox_batch_handler_seconds",
+            "Time spent in batch handlers, per call (one topic's messages of one batch)",
+            ["topic"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
+            registry=r,
+        )
         self.batch_seconds = Histogram(
             "outbox_inbox_batch_seconds",
             "Time to apply and commit one batch",
@@ -68,6 +75,10 @@ class InboxMetrics:
         if child is None:
             child = self._handler_seconds[topic] = self.handler_seconds.labels(topic)
         child.observe(seconds)
+
+    def observe_batch_handler(self, topic: str, seconds: float) -> None:
+        """One batch handler call."""
+        self.batch_handler_seconds.labels(topic).observe(seconds)
 
 
 #: Seconds a blocking call to Kafka (an offset commit) may take before Kafka counts as out

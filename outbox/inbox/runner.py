@@ -2,22 +2,27 @@
 
 Offsets reach Kafka only after the database committed, so a crash anywhere replays records
 whose effects either committed (the inbox row makes the replay a duplicate) or did not (the
-replay applies them). In order, per partition:
+replay applies them). Two threads: the runner's own talks to Kafka (every Kafka call and
+callback happens there), a database thread applies one batch at a time, so that the next
+batch is read and decoded while the current one's transaction runs. In order, per turn:
 
 1. resume partitions whose retry backoff is over;
-2. ``consume`` up to ``batch_size`` records (``max_wait`` to fill the batch);
-3. apply them (:mod:`outbox.inbox.apply`); a database outage keeps the batch in hand and
-   tries again with backoff, so nothing is skipped;
-4. for a partition held back by a failing record: seek back to it and pause the partition
-   until its backoff is over;
-5. commit the offsets, synchronously. A failed commit is kept and tried again with the next
-   one (offsets are cumulative); the inbox rows catch what a lost commit replays.
+2. ``consume`` up to ``batch_size`` records (``max_wait`` to fill the batch) and decode them;
+3. wait for the batch in hand (its transaction), and take in its result: offsets to commit,
+   and for a partition held back by a failing record, a seek back to it and a pause until
+   its backoff is over (the records read ahead for that partition are dropped);
+4. hand the new batch to the database thread (:mod:`outbox.inbox.apply`); a database outage
+   keeps it there and tries again with backoff, so nothing is skipped;
+5. commit the offsets, asynchronously (:mod:`outbox.inbox.offsets`): a commit lost or
+   refused is sent again with the next one; the inbox rows catch what it replays.
 
-Rebalance callbacks run inside ``consume``, between batches, so nothing is half-applied when
-partitions are revoked: their pending offsets are committed there and their retry state is
-dropped. A partition that moved while a batch was being applied (a consumer that overran
-``max.poll.interval.ms``) may be read by its new owner at the same time; the inbox row's
-primary key makes one transaction wait for the other and then skip.
+Rebalance callbacks run inside ``consume``, on the runner's thread. When partitions are
+revoked the batch in hand is finished first, then their offsets are committed synchronously
+(sent again while the group is between generations), then what was read ahead for them is
+dropped: the next owner starts where this one stopped. A partition that moved while a batch
+was being applied (a consumer that overran ``max.poll.interval.ms``) may be read by its new
+owner at the same time; the inbox row's primary key makes one transaction wait for the other
+and then skip.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -37,15 +43,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from outbox import health_server
 from outbox.errors import ConfigError
 from outbox.inbox.api import Inbox, RawRecord
-from outbox.inbox.apply import (
-    AsyncApplier,
-    DatabaseUnavailable,
-    Failure,
-    SyncApplier,
-    prepare,
-)
+from outbox.inbox.apply import BatchResult, DatabaseUnavailable, Failure, Item, prepare
 from outbox.inbox.config import ConsumerConfig
 from outbox.inbox.metrics import InboxHealth, InboxMetrics
+from outbox.inbox.offsets import Offsets
+from outbox.inbox.sessions import AsyncApplier, SyncApplier
 from outbox.inbox.store import InboxStore
 from outbox.loops import Stoppable
 
@@ -56,6 +58,9 @@ TP = tuple[str, int]
 _BROKER_DOWN = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}
 #: Seconds a stopping consumer waits for Kafka to take its last offsets and its leaving.
 LEAVE_TIMEOUT = 15.0
+#: Of those, the seconds its last offsets may take (a group between generations refuses
+#: them for a moment); the rest is for leaving the group.
+LAST_COMMIT_TIMEOUT = 10.0
 
 
 class InboxRunner(Stoppable):
@@ -87,12 +92,14 @@ class InboxRunner(Stoppable):
         self.health = InboxHealth(stale_after=max(60.0, 2 * config.backoff_max))
         self.store = InboxStore(config.spec)
         self.metrics_address: tuple[str, int] | None = None
+        self.offsets = Offsets(self.health)
         self._stop = threading.Event()
-        self._pending: dict[TP, int] = {}  # offsets applied but not yet committed to Kafka
         self._failures: dict[TP, Failure] = {}  # the record each held-back partition retries
         self._waiting: dict[TP, float] = {}  # paused partitions and when they resume
         self._assigned: set[TP] = set()
-        self._commit_failing = False
+        self._database: ThreadPoolExecutor | None = None  # the thread that applies batches
+        self._applier: SyncApplier | AsyncApplier | None = None
+        self._in_hand: Future[BatchResult | None] | None = None  # the batch being applied
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -113,23 +120,13 @@ class InboxRunner(Stoppable):
 
     def _run(self) -> None:
         engine = sa.create_engine(self.config.database_url, pool_pre_ping=True)
-        applier: SyncApplier | AsyncApplier | None = None
+        self._database = ThreadPoolExecutor(1, thread_name_prefix="inbox-database")
         consumer: Consumer | None = None
         try:
             if not self.wait_for_database(lambda: self._tables_problem(engine), self._backoff, log):
                 return
-            if self.inbox.is_async:
-                applier = AsyncApplier(
-                    self.config.database_url,
-                    self.inbox,
-                    self.store,
-                    self.metrics,
-                    self.config.max_attempts,
-                )
-            else:
-                applier = SyncApplier(
-                    engine, self.inbox, self.store, self.metrics, self.config.max_attempts
-                )
+            # Made on the database thread: an async applier's event loop lives there.
+            self._applier = self._database.submit(self._make_applier, engine).result()
             consumer = Consumer(self._kafka_settings())
             consumer.subscribe(
                 self.inbox.topics,
@@ -137,25 +134,29 @@ class InboxRunner(Stoppable):
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
-            self._loop(consumer, applier, engine)
+            self._loop(consumer, engine)
         finally:
             self.health.stopping = True
             if consumer is not None:
+                self._settle(consumer)
                 self._leave(consumer)
-            if isinstance(applier, AsyncApplier):
-                applier.close()
+            if self._applier is not None:
+                self._database.submit(self._applier.close).result()
+            self._database.shutdown()
             engine.dispose()
 
     def _leave(self, consumer: Consumer) -> None:
         """Commit what is applied and leave the group, for at most LEAVE_TIMEOUT seconds.
 
-        Both wait for the group's coordinator; with it out of reach (a broker down) they
-        would block a SIGTERM for minutes. Given up, the offsets not committed only make
-        the next owner read records again, which the inbox skips.
+        The commit comes first, while this consumer is still a full member: a group in the
+        middle of a rebalance takes it once it has its new generation, and a leaving member
+        takes no part in that. Both wait for the group's coordinator; with it out of reach
+        (a broker down) they would block a SIGTERM for minutes. Given up, the offsets not
+        committed only make the next owner read records again, which the inbox skips.
         """
 
         def leave() -> None:
-            self._commit(consumer)
+            self.offsets.commit_now(consumer, timeout=LAST_COMMIT_TIMEOUT)
             consumer.close()  # revokes (committing nothing new) and leaves the group
 
         leaving = threading.Thread(target=leave, name="inbox-leave", daemon=True)
@@ -168,7 +169,14 @@ class InboxRunner(Stoppable):
                 LEAVE_TIMEOUT,
             )
 
-    def _loop(self, consumer: Consumer, applier: Any, engine: sa.Engine) -> None:
+    def _make_applier(self, engine: sa.Engine) -> SyncApplier | AsyncApplier:
+        args = (self.inbox, self.store, self.metrics, self.config.max_attempts)
+        if self.inbox.is_async:
+            return AsyncApplier(self.config.database_url, *args)
+        return SyncApplier(engine, *args)
+
+    def _loop(self, consumer: Consumer, engine: sa.Engine) -> None:
+        assert self._database is not None
         next_requeue = time.monotonic()
         next_purge = time.monotonic()
         next_lag = time.monotonic()
@@ -178,54 +186,66 @@ class InboxRunner(Stoppable):
             self._resume_due(consumer, now)
             if now >= next_requeue:
                 next_requeue = now + self.config.requeue_interval
-                self._apply_requeued(applier)
+                self._database.submit(self._apply_requeued).result()  # after the batch in hand
             if self.config.retention is not None and now >= next_purge:
                 next_purge = now + self.config.purge_interval
                 self._purge(engine, self.config.retention)
             records = consumer.consume(self.config.batch_size, self.config.max_wait)
-            batch = []
-            for record in records:
-                error = record.error()
-                if error is None:
-                    batch.append(record)
-                elif error.code() in _BROKER_DOWN:
-                    self.health.kafka_ok = False
-                else:
-                    log.warning("Kafka error", extra={"error": str(error)})
-            if batch:  # (records from the local queue say nothing about the broker)
-                self._apply(consumer, applier, batch)
-            self._commit(consumer)
+            items = self._prepare(records)  # while the batch in hand is being applied
+            self._settle(consumer)
+            items = self._still_wanted(items)
+            if items:
+                self._in_hand = self._database.submit(self._apply, items)
+            self.offsets.commit_async(consumer)
             if now >= next_lag:
                 next_lag = now + 2.0
                 self._update_lag(consumer)
 
-    def _apply(self, consumer: Consumer, applier: Any, records: Sequence[Any]) -> None:
+    def _prepare(self, records: Sequence[Any]) -> list[Item]:
         items = []
         for record in records:
-            tp = (record.topic(), record.partition())
-            if tp in self._waiting:
-                continue  # fetched before the partition was paused; read again after the seek
+            error = record.error()
+            if error is not None:
+                if error.code() in _BROKER_DOWN:
+                    self.health.kafka_ok = False
+                else:
+                    log.warning("Kafka error", extra={"error": str(error)})
+                continue
             raw = RawRecord(
-                tp[0],
-                tp[1],
+                record.topic(),
+                record.partition(),
                 record.offset(),
                 record.key(),
                 record.value(),
                 tuple(record.headers() or ()),
             )
-            item = prepare(self.inbox, raw)
+            items.append(prepare(self.inbox, raw))
+        return items
+
+    def _still_wanted(self, items: list[Item]) -> list[Item]:
+        """The items to apply now: not of a partition paused for a retry (read before it was
+        sought back; read again after the seek) or no longer assigned."""
+        wanted = []
+        for item in items:
+            tp = item.tp
+            if tp in self._waiting or tp not in self._assigned:
+                continue
             failure = self._failures.get(tp)
-            if failure is not None and failure.offset == raw.offset:
+            if failure is not None and failure.offset == item.record.offset:
                 item.failures = failure.attempts
-            items.append(item)
-        if not items:
-            return
+            wanted.append(item)
+        return wanted
+
+    def _apply(self, items: Sequence[Item]) -> BatchResult | None:
+        """On the database thread: apply one batch; while the database is out of reach, keep
+        it and try again with backoff. None when stopped meanwhile (nothing of it
+        committed: it is read again)."""
+        assert self._applier is not None
         outage = 0
         while True:
             started = time.perf_counter()
             try:
-                result = applier.apply(items)
-                break
+                result = self._applier.apply(items)
             except DatabaseUnavailable as exc:
                 self.health.database_ok = False
                 outage += 1
@@ -236,16 +256,29 @@ class InboxRunner(Stoppable):
                 )
                 self.health.tick()
                 if self._stop.wait(delay):
-                    return  # stopping: nothing of this batch committed; it will be read again
-        self.health.database_ok = True
-        self.metrics.batch_seconds.observe(time.perf_counter() - started)
-        self._pending.update(result.next_offsets)
+                    return None
+                continue
+            self.health.database_ok = True
+            self.metrics.batch_seconds.observe(time.perf_counter() - started)
+            return result
+
+    def _settle(self, consumer: Consumer, leaving: Collection[TP] = ()) -> None:
+        """Wait for the batch in hand and take in its result: the offsets to commit, and the
+        partitions a failing record holds back (sought back to it and paused, unless they
+        are ``leaving``)."""
+        in_hand, self._in_hand = self._in_hand, None
+        result = in_hand.result() if in_hand is not None else None
+        if result is None:
+            return
+        self.offsets.applied(result.next_offsets)
         for tp, next_offset in result.next_offsets.items():
             failure = self._failures.get(tp)
             if failure is not None and next_offset > failure.offset:
                 del self._failures[tp]
         for tp, failure in result.blocked.items():
             self._failures[tp] = failure
+            if tp in leaving or tp not in self._assigned:
+                continue
             partition = TopicPartition(tp[0], tp[1], failure.offset)
             consumer.pause([partition])
             consumer.seek(partition)
@@ -257,34 +290,6 @@ class InboxRunner(Stoppable):
             consumer.resume([TopicPartition(t, p) for t, p in due])
             for tp in due:
                 del self._waiting[tp]
-
-    def _commit(self, consumer: Consumer, only: set[TP] | None = None) -> None:
-        offsets = {tp: offset for tp, offset in self._pending.items() if only is None or tp in only}
-        if not offsets:
-            return
-        # A synchronous commit blocks while the group's coordinator is down (the client's
-        # error callbacks wait for it too): the health reports Kafka out of reach meanwhile.
-        self.health.kafka_call_since = time.monotonic()
-        try:
-            consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                asynchronous=False,
-            )
-        except KafkaException as exc:
-            # Kept, and tried again with the next commit: a commit lost for good (the process
-            # dies first) replays records the inbox then skips.
-            if not self._commit_failing:
-                log.warning(f"offset commit failed; will retry: {exc}")
-            self._commit_failing = True
-            self.health.kafka_ok = False
-            return
-        finally:
-            self.health.kafka_call_since = None
-        self._commit_failing = False
-        self.health.kafka_ok = True
-        for tp, offset in offsets.items():
-            if self._pending.get(tp) == offset:
-                del self._pending[tp]
 
     # -- rebalances ---------------------------------------------------------------------------
 
@@ -300,16 +305,19 @@ class InboxRunner(Stoppable):
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {(p.topic, p.partition) for p in partitions}
-        self._commit(consumer, only=revoked)  # what is done is committed before others read
+        self._settle(consumer, leaving=revoked)  # the batch in hand is finished first
+        self.offsets.commit_now(consumer, only=revoked)  # then committed, before others read
         self._forget(revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may own them already; do not commit for them.
-        self._forget({(p.topic, p.partition) for p in partitions})
+        lost = {(p.topic, p.partition) for p in partitions}
+        self._settle(consumer, leaving=lost)
+        self._forget(lost)
 
     def _forget(self, partitions: set[TP]) -> None:
+        self.offsets.forget(partitions)
         for tp in partitions:
-            self._pending.pop(tp, None)
             self._failures.pop(tp, None)
             self._waiting.pop(tp, None)
             self._assigned.discard(tp)
@@ -332,9 +340,11 @@ class InboxRunner(Stoppable):
         except KafkaException:
             pass  # a metric, not worth failing a loop over
 
-    def _apply_requeued(self, applier: Any) -> None:
+    def _apply_requeued(self) -> None:
+        """On the database thread, between two batches."""
+        assert self._applier is not None
         try:
-            applier.apply_requeued()
+            self._applier.apply_requeued()
         except DatabaseUnavailable as exc:
             log.warning("could not look for requeued messages", extra={"error": str(exc)})
 
@@ -367,6 +377,7 @@ class InboxRunner(Stoppable):
             "isolation.level": "read_committed",
         }
         settings.setdefault("error_cb", self._kafka_error)
+        settings["on_commit"] = self.offsets.on_commit
         return settings
 
     def _kafka_error(self, error: KafkaError) -> None:

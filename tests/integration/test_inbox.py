@@ -3,9 +3,13 @@ whatever Kafka delivers twice, and failures retry in order, then park."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -125,6 +129,51 @@ def test_a_failing_handler_is_retried_in_order_then_parked_and_retried_by_an_ope
     assert_exactly_once(inbox_engine, range(20))
 
 
+def test_a_batch_handler_gets_the_new_messages_in_order_and_parks_what_fails_alone(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-batch", partitions=3)
+    inbox_app.BATCH_SIZES.clear()
+    with inbox_engine.begin() as conn:
+        # n=4 fails twice (then succeeds); n=58 fails more often than max_attempts allows.
+        conn.execute(sa.text("INSERT INTO fail_plan VALUES (4, 2), (58, 100)"))
+    numbers = range(300)
+    ids = produce(
+        bootstrap_servers, topic, numbers, keys=30, extra={4: {"fail": True}, 58: {"fail": True}}
+    )
+    produce(bootstrap_servers, topic, range(0, 300, 3), keys=30, ids=ids)  # sent twice
+    inbox = inbox_app.make_batch_inbox([topic], group())
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=3)
+    with running_consumer(inbox, config) as runner:
+        wait_for(lambda: ledger_count(inbox_engine) == 299, 60, "all but the poison applied")
+        wait_for(lambda: len(parked_rows(inbox_engine)) == 1, 30, "the poison parked")
+        wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 100, 30, "dups")
+        assert runner.metrics.processed.labels(topic)._value.get() == 299
+    [row] = parked_rows(inbox_engine)
+    assert (row.reason, row.attempts, row.message_id) == ("handler", 3, str(ids[58]))
+    assert "planned failure of n=58" in row.error
+    assert_exactly_once(inbox_engine, [n for n in numbers if n != 58])
+    assert_partition_order(inbox_engine)
+    assert max(inbox_app.BATCH_SIZES) > 1  # the rows went in batches
+    with inbox_engine.connect() as conn:
+        left = dict(conn.execute(sa.text("SELECT n, failures_left FROM fail_plan")).all())
+    assert left[4] == 0  # failed twice, on its own, then applied
+
+
+def test_async_batch_handlers_get_an_async_session(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    topic = make_topic("inbox-async-batch", partitions=2)
+    inbox_app.BATCH_SIZES.clear()
+    produce(bootstrap_servers, topic, range(200), copies=2)
+    inbox = inbox_app.make_async_batch_inbox([topic], group())
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+        wait_for(lambda: runner.metrics.duplicates.labels(topic)._value.get() == 200, 60, "dups")
+    assert_exactly_once(inbox_engine, range(200))
+    assert_partition_order(inbox_engine)
+    assert max(inbox_app.BATCH_SIZES) > 1
+
+
 def test_undecodable_and_unidentified_records_are_parked_at_once(
     inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
 ) -> None:
@@ -234,3 +283,62 @@ def refusals(outbox_url: str, bootstrap_servers: str) -> None:
     no_tables = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base])
     assert no_tables.exit_code == 1, no_tables.output
     assert "run `outbox inbox install`" in no_tables.output
+
+
+#: A sitecustomize that holds the import of HOLD_IMPORT until the file HOLD_RELEASE exists,
+#: after creating HOLD_MARK: a start-up caught in the middle of its imports, on demand.
+HOLD_AN_IMPORT = """
+import os, sys, time
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["HOLD_IMPORT"]:
+            sys.meta_path.remove(self)
+            open(os.environ["HOLD_MARK"], "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.environ["HOLD_RELEASE"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+def test_consume_stopped_while_it_imports_exits_0_having_done_nothing(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic, tmp_path: Path
+) -> None:
+    """SIGTERM lands while `outbox consume` still loads librdkafka: the stop is kept until the
+    runner exists, which then stops at once (exit 0) without joining the group."""
+    topic = make_topic("inbox-early-stop")
+    produce(bootstrap_servers, topic, range(5))
+    name = group()
+    (tmp_path / "sitecustomize.py").write_text(HOLD_AN_IMPORT)
+    mark, release = tmp_path / "holding", tmp_path / "release"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "HOLD_IMPORT": "confluent_kafka",
+        "HOLD_MARK": str(mark),
+        "HOLD_RELEASE": str(release),
+        "OUTBOX_DATABASE_URL": outbox_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+        "INBOX_TEST_TOPICS": topic,
+        "INBOX_TEST_GROUP": name,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbox.cli", "consume", "tests.inbox_app:inbox"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: mark.exists() or process.poll() is not None, 60, "the import held")
+        process.send_signal(signal.SIGTERM)
+    finally:
+        release.touch()
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output.decode(errors="replace")
+    assert ledger_count(inbox_engine) == 0
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    [listing] = [admin.list_consumer_groups(request_timeout=30).result(30)]
+    assert name not in {g.group_id for g in listing.valid}, "it joined the group"

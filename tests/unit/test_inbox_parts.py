@@ -72,6 +72,24 @@ def test_bad_declarations_are_refused() -> None:
         Inbox("billing", deserializer=object())  # type: ignore[arg-type]
 
 
+def batch_handler(messages, session) -> None:  # type: ignore[no-untyped-def]
+    pass
+
+
+def test_batch_handlers_are_declared_per_topic_next_to_plain_ones() -> None:
+    inbox = Inbox("billing")
+    inbox.handler("orders")(handler)
+    inbox.batch_handler("payments", "refunds")(batch_handler)
+    assert inbox.topics == ["orders", "payments", "refunds"]
+    assert [inbox.takes_batches(t) for t in inbox.topics] == [False, True, True]
+    with pytest.raises(ConfigError, match="already has a handler"):
+        inbox.add_batch_handler(batch_handler, "orders")
+    with pytest.raises(ConfigError, match="all sync or all async"):
+        inbox.add_batch_handler(async_handler, "invoices")
+    with pytest.raises(InvalidTopic):
+        inbox.add_batch_handler(batch_handler, "bad topic")
+
+
 def test_identity_is_the_outbox_id_header_in_canonical_form() -> None:
     inbox = Inbox("billing")
     upper = str(ID).upper().encode()
