@@ -17,6 +17,29 @@ from outbox.chaos.schedule import PROFILES, plan
 from outbox.relay.config import AT_LEAST_ONCE, EXACTLY_ONCE
 
 
+class _Seed(click.ParamType):  # type: ignore[type-arg]
+    """A non-negative integer, or ``random`` (None: drawn when the run starts)."""
+
+    name = "N|random"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, int) and value >= 0:
+            return value
+        text = str(value).strip().lower()
+        if text == "random":
+            return None
+        if text.isdigit():
+            return int(text)
+        self.fail(f"{value!r} is neither a non-negative number nor 'random'", param, ctx)
+
+
+SEED = _Seed()
+
+
 @click.command()
 @click.option(
     "--mode",
@@ -27,9 +50,11 @@ from outbox.relay.config import AT_LEAST_ONCE, EXACTLY_ONCE
 )
 @click.option(
     "--seed",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Fault schedule seed (default: random).",
+    type=SEED,
+    default="random",
+    show_default=True,
+    help="Fault schedule seed: a number, or 'random' to draw one (printed first, so that a "
+    "failed run can be replayed with --seed N).",
 )
 @click.option(
     "--profile",
@@ -85,7 +110,9 @@ def chaos(
     that every committed message was applied once, in key order. The last line is the result as
     JSON. Exit 0: every guarantee held; 1: a violation; 2: the run could not be carried out.
     """
-    seed = secrets.randbelow(2**31) if seed is None else seed
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+        click.echo(f"seed {seed} drawn at random: replay this run with --seed {seed}", err=True)
     chosen = PROFILES[profile]
     if consumers is not None:
         chosen = replace(chosen, consumers=consumers)

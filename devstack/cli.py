@@ -27,11 +27,19 @@ def prepare() -> None:
 
 @dev.command()
 @click.option("--name", default="dev", show_default=True, help="Stack instance name.")
-def up(name: str) -> None:
+@click.option(
+    "--brokers",
+    type=click.IntRange(1, 5),
+    default=None,
+    help="Kafka nodes (broker + controller each). 3 gives a production-shaped cluster: "
+    "replication factor 3, min.insync.replicas 2. Default: what the stack already runs, "
+    "else 1.",
+)
+def up(name: str, brokers: int | None) -> None:
     """Start the stack (or keep it running) and print its connection settings."""
     from outbox.devstack import LocalStack
 
-    info = _run_stack_step(lambda: LocalStack.named(name).up())
+    info = _run_stack_step(lambda: LocalStack.named(name, brokers=brokers).up())
     for key, value in info.as_env().items():
         click.echo(f"{key}={value}")
 

@@ -1,4 +1,5 @@
-"""A single-node Apache Kafka broker in KRaft mode, run from Maven Central jars."""
+"""An Apache Kafka node in KRaft mode (combined broker and controller), run from Maven Central
+jars: alone, or as one node of a :class:`~outbox.devstack.cluster.KafkaCluster`."""
 
 from __future__ import annotations
 
@@ -33,13 +34,23 @@ logger.state.level = warn
 
 @dataclass
 class KafkaBroker:
-    """One combined broker+controller; ``root`` holds its config, data and log."""
+    """One combined broker+controller; ``root`` holds its config, data and log.
+
+    Alone by default. As a cluster node it has its ``node_id``, the cluster's controller
+    ``voters`` (``id@host:port,...``), the ``cluster_id`` every node is formatted with, and
+    the cluster's ``replication`` for internal topics (``min.insync.replicas`` one less).
+    """
 
     root: Path
     jars: list[Path]
     port: int
     controller_port: int
     extra_config: dict[str, str] = field(default_factory=dict)
+    node_id: int = 1
+    voters: str | None = None
+    cluster_id: str | None = None
+    replication: int = 1
+    heap: str = HEAP
     # Kept so this process can reap the broker it started (and Python does not warn about it).
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
@@ -74,6 +85,14 @@ class KafkaBroker:
         """Format the storage on first use, start the broker and wait until it serves metadata."""
         if self.running():
             return
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Format the storage on first use and start the process, without waiting for it (a
+        cluster's nodes serve nothing until a majority of controllers runs)."""
+        if self.running():
+            return
         java = shutil.which("java")
         if java is None:
             raise StackError(
@@ -89,7 +108,7 @@ class KafkaBroker:
             process = subprocess.Popen(
                 [
                     java,
-                    HEAP,
+                    self.heap,
                     "-XX:+UseG1GC",
                     "-Djava.awt.headless=true",
                     f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
@@ -105,11 +124,22 @@ class KafkaBroker:
             )
         self._process = process
         self.pid_file.write_text(str(process.pid))
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait until the node serves metadata; stopped and reported if it does not."""
         try:
-            wait_until(self._ready, START_TIMEOUT, f"Kafka on {self.bootstrap_servers}")
+            wait_until(self._ready, timeout, f"Kafka on {self.bootstrap_servers}")
         except StackError as exc:
             self.stop()
-            raise StackError(f"{exc}; broker log: {self.log_file}") from exc
+            raise StackError(
+                f"{exc}; broker log {self.log_file} ends:\n{self._log_tail()}"
+            ) from exc
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def stop(self) -> None:
         pid = self.pid
@@ -155,7 +185,7 @@ class KafkaBroker:
         for _ in range(2):  # a second try on a clean folder, with the first failure kept
             if self.data_dir.exists():
                 shutil.rmtree(self.data_dir)  # storage from an interrupted format
-            cluster_id = new_cluster_id()
+            cluster_id = self.cluster_id or new_cluster_id()
             result = subprocess.run(
                 [
                     java,
@@ -180,10 +210,13 @@ class KafkaBroker:
         raise StackError(f"formatting Kafka storage failed: {output}")
 
     def _server_properties(self) -> str:
+        min_isr = max(1, self.replication - 1)
         settings = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": (
+                self.voters or f"{self.node_id}@127.0.0.1:{self.controller_port}"
+            ),
             "listeners": (
                 f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}"
             ),
@@ -194,14 +227,16 @@ class KafkaBroker:
             "log.dirs": str(self.data_dir),
             "auto.create.topics.enable": "false",
             "num.partitions": "1",
-            # One node: every internal topic has a single replica.
-            "offsets.topic.replication.factor": "1",
+            # Internal topics on every node (one alone); a write needs all but one of them.
+            "offsets.topic.replication.factor": str(self.replication),
             "offsets.topic.num.partitions": "8",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": str(self.replication),
+            "transaction.state.log.min.isr": str(min_isr),
             "transaction.state.log.num.partitions": "8",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": str(self.replication),
+            "share.coordinator.state.topic.min.isr": str(min_isr),
+            "default.replication.factor": str(self.replication),
+            "min.insync.replicas": str(min_isr),
             "group.initial.rebalance.delay.ms": "0",
             **self.extra_config,
         }

@@ -14,10 +14,12 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outbox.devstack.cluster import KafkaCluster
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.maven import resolve_jars
 from outbox.devstack.postgres import PostgresServer, data_root_for, server_bindir
@@ -77,13 +79,22 @@ class LocalStack:
     ports recorded in ``state.json`` (new free ports when those are taken).
     """
 
-    def __init__(self, run_dir: Path, *, durable: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, durable: bool = True, brokers: int | None = None) -> None:
         self.run_dir = run_dir
         self.state_file = run_dir / "state.json"
         self.durable = durable
         state = self._load_state()
         pg_state = state.get("postgres", {})
         kafka_state = state.get("kafka", {})
+        recorded_brokers = int(kafka_state.get("brokers") or 1)
+        if brokers is not None and recorded_brokers != brokers and self._kafka_recorded(state):
+            raise StackError(
+                f"stack {run_dir.name!r} runs {recorded_brokers} Kafka node(s), not {brokers}: "
+                f"`outbox dev down --name {run_dir.name}` first"
+            )
+        self.brokers = brokers or recorded_brokers
+        if self.brokers < 1:
+            raise StackError("a stack needs at least one Kafka node")
         self.postgres = PostgresServer(
             root=Path(pg_state.get("root") or data_root_for(run_dir)),
             port=int(pg_state.get("port") or 0),
@@ -96,10 +107,28 @@ class LocalStack:
             port=int(kafka_state.get("port") or 0),
             controller_port=int(kafka_state.get("controller_port") or 0),
         )
+        #: The cluster, when the stack has more than one Kafka node; ``kafka`` is then unused.
+        self.cluster: KafkaCluster | None = None
+        if self.brokers > 1:
+            nodes = kafka_state.get("nodes") or [[0, 0]] * self.brokers
+            self.cluster = KafkaCluster.create(
+                run_dir / "kafka",
+                [],
+                [(int(port), int(controller)) for port, controller in nodes],
+                kafka_state.get("cluster_id"),
+            )
 
     @classmethod
-    def named(cls, name: str, *, durable: bool = True) -> LocalStack:
-        return cls(stack_home() / "run" / name, durable=durable)
+    def named(cls, name: str, *, durable: bool = True, brokers: int | None = None) -> LocalStack:
+        return cls(stack_home() / "run" / name, durable=durable, brokers=brokers)
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """Every Kafka node's address."""
+        return self.cluster.bootstrap_servers if self.cluster else self.kafka.bootstrap_servers
+
+    def kafka_nodes(self) -> list[KafkaBroker]:
+        return self.cluster.nodes if self.cluster else [self.kafka]
 
     def up(self, database: str | None = DEMO_DATABASE) -> StackInfo:
         """Start whatever is not running; create ``database`` when missing."""
@@ -119,6 +148,9 @@ class LocalStack:
         return self.postgres
 
     def up_kafka(self) -> KafkaBroker:
+        if self.cluster is not None:
+            self._up_cluster(self.cluster)
+            return self.cluster.nodes[0]
         if not self.kafka.running():
             self.kafka.jars = kafka_jars()
             self.kafka.port = _usable_port(self.kafka.port)
@@ -129,12 +161,32 @@ class LocalStack:
             self.kafka.start()
         return self.kafka
 
+    def _up_cluster(self, cluster: KafkaCluster) -> None:
+        if cluster.running():
+            return
+        jars = kafka_jars()
+        taken: set[int] = set()
+        for node in cluster.nodes:
+            node.jars = jars
+            if not node.running():
+                node.port = _usable_port(node.port, avoid=taken)
+                taken.add(node.port)
+                node.controller_port = _usable_port(node.controller_port, avoid=taken)
+            taken.update((node.port, node.controller_port))
+        if len({n.controller_port for n in cluster.nodes}) == len(cluster.nodes):
+            voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in cluster.nodes)
+            for node in cluster.nodes:
+                node.voters = voters
+        self._save_state()
+        cluster.start()
+
     def down(self) -> None:
-        """Stop both servers and forget their data."""
+        """Stop the servers and forget their data."""
         errors: list[str] = []
-        for server in (self.kafka, self.postgres):
+        stops: list[Callable[[], None]] = [n.stop for n in self.kafka_nodes()]
+        for stop in (*stops, self.postgres.stop):
             try:
-                server.stop()
+                stop()
             except StackError as exc:
                 errors.append(str(exc))
         if errors:
@@ -145,12 +197,15 @@ class LocalStack:
     def info(self, database: str = DEMO_DATABASE) -> StackInfo:
         return StackInfo(
             database_url=self.postgres.url(database),
-            bootstrap_servers=self.kafka.bootstrap_servers,
+            bootstrap_servers=self.bootstrap_servers,
             spark_jars=tuple(str(jar) for jar in spark_jars()),
         )
 
     def status(self) -> dict[str, bool]:
-        return {"postgres": self.postgres.running(), "kafka": self.kafka.running()}
+        if self.cluster is None:
+            return {"postgres": self.postgres.running(), "kafka": self.kafka.running()}
+        nodes = {f"kafka node {n.node_id}": n.running() for n in self.cluster.nodes}
+        return {"postgres": self.postgres.running(), **nodes}
 
     def ensure_database(self, name: str) -> None:
         import psycopg
@@ -168,6 +223,20 @@ class LocalStack:
             return {}
         return loaded if isinstance(loaded, dict) else {}
 
+    def _kafka_state(self) -> dict[str, object]:
+        if self.cluster is None:
+            return {"port": self.kafka.port, "controller_port": self.kafka.controller_port}
+        return {
+            "brokers": self.brokers,
+            "cluster_id": self.cluster.cluster_id,
+            "nodes": [[n.port, n.controller_port] for n in self.cluster.nodes],
+        }
+
+    @staticmethod
+    def _kafka_recorded(state: dict[str, Any]) -> bool:
+        kafka = state.get("kafka") or {}
+        return bool(kafka.get("port") or kafka.get("nodes"))
+
     def _save_state(self, **extra: object) -> None:
         state = {
             "owner_pid": os.getpid(),
@@ -176,10 +245,7 @@ class LocalStack:
                 "port": self.postgres.port,
                 "password": self.postgres.password,
             },
-            "kafka": {
-                "port": self.kafka.port,
-                "controller_port": self.kafka.controller_port,
-            },
+            "kafka": self._kafka_state(),
             **extra,
         }
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -189,12 +255,13 @@ class LocalStack:
         tmp.replace(self.state_file)
 
 
-def _usable_port(recorded: int, avoid: int = 0) -> int:
-    if recorded and recorded != avoid and not port_open(recorded):
+def _usable_port(recorded: int, avoid: int | set[int] = 0) -> int:
+    avoided = avoid if isinstance(avoid, set) else {avoid}
+    if recorded and recorded not in avoided and not port_open(recorded):
         return recorded
     while True:
         port = free_port()
-        if port != avoid:
+        if port not in avoided:
             return port
 
 

@@ -63,12 +63,13 @@ def consume_all(
 
 
 def create_topics(bootstrap: str, names: list[str], partitions: int = 1) -> None:
-    """Create ``names`` (replication factor 1); an existing topic is kept as it is."""
+    """Create ``names`` with the brokers' default replication factor (1 on a lone broker, 3
+    on the cluster); an existing topic is kept as it is."""
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     futures = admin.create_topics(
-        [NewTopic(name, partitions, 1) for name in names], operation_timeout=30
+        [NewTopic(name, partitions, replication_factor=-1) for name in names], operation_timeout=30
     )
     for future in futures.values():
         try:

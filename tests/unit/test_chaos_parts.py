@@ -351,3 +351,23 @@ def test_the_consuming_side_is_reported_and_a_double_application_fails_the_run(
         result.output
     )
     assert "VIOLATION: 1 messages applied more than once" in result.output
+
+
+def test_seed_random_is_drawn_printed_and_replayable() -> None:
+    import json
+    import re
+
+    from click.testing import CliRunner
+
+    from outbox.chaos.cli import chaos
+
+    drawn = CliRunner().invoke(chaos, ["--plan-only", "--seed", "random"])
+    assert drawn.exit_code == 0, drawn.output
+    seed = int(re.findall(r"replay this run with --seed (\d+)", drawn.output)[0])
+    replayed = CliRunner().invoke(chaos, ["--plan-only", "--seed", str(seed)])
+    schedule = [line for line in drawn.output.splitlines() if line.startswith("{")]
+    assert [json.loads(line) for line in schedule] == [
+        json.loads(line) for line in replayed.output.splitlines()
+    ]
+    refused = CliRunner().invoke(chaos, ["--plan-only", "--seed", "-3"])
+    assert refused.exit_code == 2 and "neither a non-negative number" in refused.output

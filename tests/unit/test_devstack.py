@@ -104,3 +104,38 @@ def test_kafka_cluster_ids_never_look_like_an_option() -> None:
     ids = [new_cluster_id() for _ in range(2000)]  # about 31 would start with '-' unguarded
     assert not any(cluster_id.startswith("-") for cluster_id in ids)
     assert all(len(base64.urlsafe_b64decode(i + "==")) == 16 for i in ids)
+
+
+def test_cluster_nodes_share_one_quorum_and_replicate_everything(tmp_path: Path) -> None:
+    from outbox.devstack.cluster import KafkaCluster
+
+    cluster = KafkaCluster.create(
+        tmp_path, [], [(19092, 19093), (19094, 19095), (19096, 19097)], cluster_id=None
+    )
+    assert cluster.bootstrap_servers == "127.0.0.1:19092,127.0.0.1:19094,127.0.0.1:19096"
+    configs = [
+        dict(line.split("=", 1) for line in node._server_properties().splitlines() if line)
+        for node in cluster.nodes
+    ]
+    assert [c["node.id"] for c in configs] == ["1", "2", "3"]
+    voters = "1@127.0.0.1:19093,2@127.0.0.1:19095,3@127.0.0.1:19097"
+    assert all(c["controller.quorum.voters"] == voters for c in configs)
+    assert {node.cluster_id for node in cluster.nodes} == {cluster.cluster_id}
+    for config in configs:
+        assert config["default.replication.factor"] == "3"
+        assert config["min.insync.replicas"] == "2"
+        assert config["transaction.state.log.replication.factor"] == "3"
+        assert config["transaction.state.log.min.isr"] == "2"
+        assert config["offsets.topic.replication.factor"] == "3"
+    assert len({node.root for node in cluster.nodes}) == 3
+
+
+def test_a_stack_refuses_to_change_its_broker_count_while_recorded(tmp_path: Path) -> None:
+    from outbox.devstack import LocalStack, StackError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "state.json").write_text('{"kafka": {"port": 19092, "controller_port": 19093}}')
+    with pytest.raises(StackError, match="runs 1 Kafka node"):
+        LocalStack(run, brokers=3)
+    assert LocalStack(run).brokers == 1

@@ -1,0 +1,97 @@
+"""A Kafka cluster of combined broker + controller nodes in KRaft mode, on 127.0.0.1.
+
+Production Kafka replicates: the failures that matter to an idempotent or transactional
+producer (leader elections, in-sync replicas shrinking, a transaction coordinator moving)
+only happen with several nodes. Every node here is both a broker and a controller voter;
+internal and new topics get one replica per node, and ``min.insync.replicas`` is one less,
+so one node may be down without stopping writes and two stop them (never losing one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from outbox.devstack.kafka import START_TIMEOUT, KafkaBroker, new_cluster_id
+from outbox.devstack.procs import StackError
+
+#: Heap per node: three nodes fit the machine beside PostgreSQL, the relays and Spark.
+CLUSTER_HEAP = "-Xmx512m"
+
+
+@dataclass
+class KafkaCluster:
+    """``nodes`` share one cluster id and one controller quorum (node ids 1..N)."""
+
+    nodes: list[KafkaBroker]
+    cluster_id: str = field(default_factory=new_cluster_id)
+
+    @classmethod
+    def create(
+        cls, root: Path, jars: list[Path], ports: list[tuple[int, int]], cluster_id: str | None
+    ) -> KafkaCluster:
+        """Nodes under ``root/node-<id>`` on the given (port, controller port) pairs."""
+        cluster_id = cluster_id or new_cluster_id()
+        voters = ",".join(
+            f"{number}@127.0.0.1:{controller}" for number, (_, controller) in enumerate(ports, 1)
+        )
+        nodes = [
+            KafkaBroker(
+                root=root / f"node-{number}",
+                jars=jars,
+                port=port,
+                controller_port=controller,
+                node_id=number,
+                voters=voters,
+                cluster_id=cluster_id,
+                replication=len(ports),
+                heap=CLUSTER_HEAP,
+            )
+            for number, (port, controller) in enumerate(ports, 1)
+        ]
+        return cls(nodes, cluster_id)
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(node.bootstrap_servers for node in self.nodes)
+
+    def node(self, node_id: int) -> KafkaBroker:
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        raise KeyError(f"no Kafka node {node_id}")
+
+    def running(self) -> bool:
+        return all(node.running() for node in self.nodes)
+
+    def start(self) -> None:
+        """Start every node that is not running, then wait for all: the controllers elect a
+        leader only once a majority of them runs."""
+        for node in self.nodes:
+            node.launch()
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            for node in self.nodes:
+                node.wait_ready(max(1.0, deadline - time.monotonic()))
+        except StackError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        errors = []
+        for node in self.nodes:
+            try:
+                node.stop()
+            except StackError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise StackError("; ".join(errors))
+
+    def leader_of(self, topic: str, partition: int = 0) -> int:
+        """The node id leading ``topic``'s ``partition`` now (-1 while it has none)."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        described = admin.list_topics(topic, timeout=10).topics[topic]
+        return int(described.partitions[partition].leader)
