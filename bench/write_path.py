@@ -14,7 +14,11 @@ Then concurrent writers (durable PostgreSQL), side by side in one run:
             outbox's shape without any wake-up, into the outbox table (wake trigger), and
             into a copy with the former NOTIFY-on-every-insert rule. What the relay's
             wake-up costs the database, without Python in the way.
-  Python    the same four kinds as above through the API, from threads in a few processes.
+  Python    the same four kinds as above through the API, from threads in a few processes,
+            and e: a + the message's own row (same columns, values and indexes, in the
+            pgbench copy of the outbox table without its trigger) written with plain SQL.
+            c / e is what the outbox adds to writing that row yourself: building the
+            message (serializing, ids, checks) and the wake trigger.
 
 Prints p50/p99 per transaction and the ratios; the last line is one JSON object.
 Run: make bench-write   (or python -m bench.write_path --n 10000 --writers 1,16,64)
@@ -28,15 +32,19 @@ import os
 import time
 from collections.abc import Callable
 
+import orjson
 import sqlalchemy as sa
 
 from bench import write_pgbench
 from bench.stack import bench_stack, machine, percentile
 from bench.write_concurrency import measure_concurrent
 from outbox import Message, Outbox, migrate
-from outbox.schema import DEFAULT_SPEC
+from outbox.ids import uuid7
+from outbox.schema import DEFAULT_SPEC, SHARD_COUNT
 
 KINDS = ("bare", "plain", "outbox", "bulk10")
+#: The concurrent cases add one: the outbox row itself written as a plain row (see runners).
+CONCURRENT_KINDS = (*KINDS, "shape")
 
 
 def event(order_id: int) -> dict[str, object]:
@@ -74,6 +82,10 @@ def runners(
     ob = Outbox(engine)
     insert_order = sa.text("INSERT INTO orders VALUES (:id, :customer, :total)")
     insert_plain = sa.text("INSERT INTO plain_rows VALUES (gen_random_uuid(), :payload)")
+    insert_shape = sa.text(
+        "INSERT INTO outbox_shape (id, shard, topic, key, value, content_type) "
+        "VALUES (:id, :shard, 'orders', :key, :value, 'application/json')"
+    )
     payload = os.urandom(payload_size)
 
     def bare(conn: sa.Connection, n: int) -> None:
@@ -91,7 +103,21 @@ def runners(
         bare(conn, n)
         ob.publish_many(conn, [Message("orders", event(n * 10 + i), key=n) for i in range(10)])
 
-    return {"bare": bare, "plain": plain, "outbox": outbox, "bulk10": bulk10}
+    def shape(conn: sa.Connection, n: int) -> None:
+        # The message's row as the application could write it itself: the same columns,
+        # values, id kind and indexes (write_pgbench's copy of the outbox table), no trigger.
+        bare(conn, n)
+        conn.execute(
+            insert_shape,
+            {
+                "id": uuid7(),
+                "shard": n % SHARD_COUNT,
+                "key": str(n).encode(),
+                "value": orjson.dumps(event(n)),
+            },
+        )
+
+    return {"bare": bare, "plain": plain, "outbox": outbox, "bulk10": bulk10, "shape": shape}
 
 
 def measure(
@@ -157,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             writers: measure_concurrent(
                 info.database_url,
                 writers,
-                KINDS,
+                CONCURRENT_KINDS,
                 payload_size,
                 runners,
                 seconds=args.seconds,
@@ -206,6 +232,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
             for w, by_kind in python_side.items()
         },
+        **{
+            f"python_tps_ratio_vs_shape_row_{w}": round(
+                by_kind["outbox"][0] / by_kind["shape"][0], 3
+            )
+            for w, by_kind in python_side.items()
+        },
         "plain_row_payload_bytes": payload_size,
         "seconds": round(elapsed, 1),
     }
@@ -221,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "plain": "b  + one plain row (PK only)",
         "outbox": "c  + one outbox message",
         "bulk10": "d  + ten messages (publish_many)",
+        "shape": "e  + the message's row, plain SQL",
     }
     for kind in KINDS:
         print(
@@ -261,7 +294,7 @@ def print_concurrent(
     print("Python API, concurrent writers: transactions per second, latency in µs")
     print(f"{'writers':>8}  {'transaction':<34}{'tps':>9}{'p50 µs':>10}{'p99 µs':>10}")
     for writers, by_kind in python_side.items():
-        for kind in KINDS:
+        for kind in CONCURRENT_KINDS:
             tps, latencies = by_kind[kind]
             print(
                 f"{writers:>8}  {labels[kind]:<34}{tps:>9.0f}"
@@ -269,7 +302,12 @@ def print_concurrent(
             )
     for writers, by_kind in python_side.items():
         ratio = by_kind["outbox"][0] / by_kind["plain"][0]
-        print(f"Python outbox / plain row tps, {writers} writers: {ratio:.3f}")
+        same_shape = by_kind["outbox"][0] / by_kind["shape"][0]
+        floor = "   floor >= 0.9" if writers >= 16 else ""
+        print(
+            f"Python outbox / plain row tps, {writers} writers: {ratio:.3f} (PK-only row), "
+            f"{same_shape:.3f} (row of the same shape){floor}"
+        )
 
 
 if __name__ == "__main__":
