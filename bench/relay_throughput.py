@@ -10,10 +10,12 @@ Side by side in one run, on one stack:
   relay       `outbox relay` processes sending N pending rows: 1 and 3 relays, at-least-once,
               exactly-once and keep-nothing (at-least-once, rows deleted once sent)
 
-then the commit-to-ack latency at a steady 1,000 and 10,000 messages/s (one at-least-once
-relay; the topic stamps records with the broker's append time), each relay's memory (peak,
-and growth over the second half of the messages, after start-up filled its buffers), and the
-CPU the relays and the whole machine used during each run.
+then the same at-least-once x1 relay on a three-node Kafka cluster (replication factor 3,
+min.insync.replicas 2; --no-cluster leaves it out), the commit-to-ack latency at a steady
+1,000 and 10,000 messages/s (one at-least-once relay; the topic stamps records with the
+broker's append time), each relay's memory (peak, and growth over the second half of the
+messages, after start-up filled its buffers), and the CPU the relays and the whole machine
+used during each run.
 
 Run: make bench-relay   (BENCH_ARGS="--n 100000" for a quick run)
 """
@@ -40,7 +42,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.stack import bench_stack, machine, percentile
 from outbox import Message, Outbox, migrate
+from outbox.devstack import LocalStack
 from outbox.devstack.stack import kafka_tools_jars
+from outbox.devstack.topics import create_topics
 from outbox.engines import sender_engine
 from outbox.ids import uuid7
 from outbox.records import producer_config
@@ -416,12 +420,38 @@ def latency(
     return percentile(values, 0.5), percentile(values, 0.99), len(values)
 
 
+CLUSTER_RUN = "relay at-least-once x1, 3-node cluster"
+
+
+def on_cluster(database_url: str, conninfo: str, n: int, log: Path) -> Run:
+    """One at-least-once relay publishing to a three-node Kafka cluster (replication factor
+    3, min.insync.replicas 2: every batch waits for two replicas), same rows as the others."""
+    stack = LocalStack.named("bench-relay-cluster", brokers=3)
+    try:
+        stack.up_kafka()
+        assert stack.cluster is not None
+        bootstrap = stack.cluster.bootstrap_servers
+        create_topics(bootstrap, ["bench-relay"], PARTITIONS)
+        load_pending(conninfo, "bench-relay", n)
+        return run_relays(
+            CLUSTER_RUN, database_url, conninfo, bootstrap, 1, "at-least-once", n, log
+        )
+    finally:
+        stack.down()
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--n", type=int, default=1_000_000, help="messages per throughput run")
     parser.add_argument("--latency-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--cluster",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run at-least-once x1 on a three-node Kafka cluster (replication 3)",
+    )
     args = parser.parse_args(argv)
     n = args.n
     log = Path(".stack") / "bench-relay.log"
@@ -503,9 +533,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
             for rate in (1000, 10_000)
         }
+        if args.cluster:
+            report(on_cluster(info.database_url, conninfo, n, log))
         engine.dispose()
 
     rates = {run.name: run.rate for run in runs}
+    cluster_rate = rates.pop(CLUSTER_RUN, None)
     floor = min(rates["bare producer"], rates["bare PG read+mark"])
     alo1 = rates["relay at-least-once x1"]
     eos1 = rates["relay exactly-once x1"]
@@ -519,6 +552,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             mode: round(rates[f"relay {mode} x3"] / rates[f"relay {mode} x1"], 3)
             for mode in ("at-least-once", "exactly-once", "keep-nothing")
         },
+        **(
+            {
+                "alo_x1_cluster_msgs_per_s": round(cluster_rate),
+                "alo_x1_cluster_over_single_broker": round(cluster_rate / alo1, 3),
+            }
+            if cluster_rate
+            else {}
+        ),
         "p99_ms_at_1000": round(latencies[1000][1], 1),
         "p99_ms_at_10000": round(latencies[10_000][1], 1),
         "latency_ms": {
@@ -551,6 +592,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"{figures['ratio_relay_vs_min_baseline']} of min(baselines) (floor 0.7)"
     )
     print(f"exactly-once / at-least-once x1: {figures['eos_over_alo_x1']}   (floor 0.85)")
+    if cluster_rate:
+        print(
+            f"at-least-once x1 on the 3-node cluster: {cluster_rate:,.0f} msgs/s, "
+            f"{figures['alo_x1_cluster_over_single_broker']} of the single broker's"
+        )
     print(f"x3 / x1: {figures['x3_over_x1']}   (floor 1.0, or the machine is the limit)")
     worst_growth = max(run.rss_growth for run in runs)
     print(f"RSS growth over the second half of the messages: x{worst_growth:.2f} (floor: flat)")
