@@ -194,7 +194,10 @@ class InboxRunner(Stoppable):
             items = self._prepare(records)  # while the batch in hand is being applied
             self._settle(consumer)
             items = self._still_wanted(items)
-            if items:
+            # Stopping: nothing new goes to the database. The batch in hand may have been
+            # given up (the database out of reach); these records come after it, and
+            # applying them would commit offsets past records never applied.
+            if items and not self._stop.is_set():
                 self._in_hand = self._database.submit(self._apply, items)
             self.offsets.commit_async(consumer)
             if now >= next_lag:
