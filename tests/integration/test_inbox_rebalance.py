@@ -221,3 +221,31 @@ def test_a_consumer_stopped_in_the_middle_of_a_rebalance_commits_what_it_applied
             faulty_kafka.set_latency(0)
     ends = applied_ends(inbox_engine)
     assert committed_offsets(bootstrap_servers, group, sorted(ends)) == ends
+
+
+def test_a_partition_waiting_for_a_retry_is_read_again_after_a_rebalance(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """A partition paused while its failing record waits for a retry is revoked and
+    assigned again (the eager protocol revokes everything on each rebalance): it must be
+    read again, not stay paused for good."""
+    topic = make_topic("inbox-rebalance-paused")
+    other_topic = make_topic("inbox-rebalance-other")
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    with inbox_engine.begin() as conn:
+        # n=3 fails on the fast way and alone: its partition waits for a retry.
+        conn.execute(sa.text("INSERT INTO fail_plan VALUES (3, 2)"))
+    produce(bootstrap_servers, topic, range(20), keys=1, extra={3: {"fail": True}})
+    eager = {"partition.assignment.strategy": "range"}
+    # A backoff far longer than the test waits: only the rebalance lets n=3 be read again.
+    config = consumer_config(
+        outbox_url, bootstrap_servers, kafka={**FAST, **eager}, backoff_base=60, backoff_max=60
+    )
+    runner = InboxRunner(inbox_app.make_inbox([topic], group), config)
+    with running(runner):
+        wait_for(lambda: bool(runner._waiting), 60, "the partition paused for a retry")
+        # A member reading another topic joins: the runner's partition is revoked and
+        # assigned back to it.
+        with group_member(bootstrap_servers, group, other_topic, **FAST, **eager) as other:
+            wait_for(lambda: len(other) == 1, 60, "the other member's partition")
+            wait_for(lambda: ledger_count(inbox_engine) == 20, 25, "everything applied")
