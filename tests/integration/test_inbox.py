@@ -342,3 +342,46 @@ def test_consume_stopped_while_it_imports_exits_0_having_done_nothing(
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     [listing] = [admin.list_consumer_groups(request_timeout=30).result(30)]
     assert name not in {g.group_id for g in listing.valid}, "it joined the group"
+
+
+def test_a_write_that_fails_when_a_later_handler_flushes_it_parks_only_its_own_record(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """On the fast way the handlers' ORM writes wait for one flush at the end of the batch,
+    but a later handler's query flushes them first (autoflush): the write of n=0 then fails
+    inside n=1's handler. Only n=0 may pay for it; n=1 must be applied, not parked in its
+    place (with max_attempts=1, a record blamed once is parked without another try)."""
+    from sqlalchemy.orm import DeclarativeBase, Session, mapped_column
+
+    from outbox.inbox import Inbox, InboxMessage
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Account(Base):
+        __tablename__ = "accounts"
+        id = mapped_column(sa.Integer, primary_key=True)
+
+    Base.metadata.create_all(inbox_engine)
+    with inbox_engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO accounts VALUES (1)"))
+    topic = make_topic("inbox-autoflush")
+    produce(bootstrap_servers, topic, range(10), keys=1)
+    inbox = Inbox(group=group())
+
+    @inbox.handler(topic)
+    def on_order(message: InboxMessage, session: Session) -> None:
+        if message.value["n"] == 0:
+            session.add(Account(id=1))  # already there: fails when flushed
+            return
+        session.execute(inbox_app._INSERT, inbox_app.apply(message, session))  # flushes first
+
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=1)
+    with running_consumer(inbox, config):
+        wait_for(
+            lambda: ledger_count(inbox_engine) + len(parked_rows(inbox_engine)) == 10,
+            60,
+            "every record applied or parked",
+        )
+    assert [row.kafka_offset for row in parked_rows(inbox_engine)] == [0]
+    assert_exactly_once(inbox_engine, range(1, 10))
