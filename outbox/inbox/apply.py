@@ -412,6 +412,8 @@ def prepare(inbox: Inbox, record: RawRecord, identity: str | None = None) -> Ite
             identity = inbox.identify(record)
         except MissingIdentity as exc:
             return Item(record, None, None, park=(NO_IDENTITY, str(exc)))
+        except Exception as exc:  # an identity function (missing_id) that fails on it
+            return Item(record, None, None, park=(NO_IDENTITY, _short_error(exc)))
     if record.topic not in inbox.handlers:
         return Item(record, identity, None, park=(UNDECODABLE, f"no handler for {record.topic}"))
     try:

@@ -385,3 +385,31 @@ def test_a_write_that_fails_when_a_later_handler_flushes_it_parks_only_its_own_r
         )
     assert [row.kafka_offset for row in parked_rows(inbox_engine)] == [0]
     assert_exactly_once(inbox_engine, range(1, 10))
+
+
+def test_a_record_the_identity_function_fails_on_is_parked_not_fatal(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """An identity function (``missing_id``) that raises on a record parks that record, as
+    one returning None does; it does not end the consumer (which, started again, would end
+    on the same record again)."""
+    topic = make_topic("inbox-identity-raises")
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    for n in range(5):
+        value = {"n": n, "amount": n} if n != 2 else {"amount": 2}  # n=2 lacks its key
+        producer.produce(
+            topic, orjson.dumps(value), key=b"k", headers=[("content-type", b"application/json")]
+        )
+    producer.flush(30)
+
+    def by_n(record) -> str:  # type: ignore[no-untyped-def]
+        return f"order-{orjson.loads(record.value)['n']}"
+
+    inbox = inbox_app.make_inbox([topic], group(), missing_id=by_n)
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+        wait_for(lambda: ledger_count(inbox_engine) == 4, 60, "the others applied")
+        wait_for(lambda: len(parked_rows(inbox_engine)) == 1, 10, "the record parked")
+        assert runner.health.alive
+    [row] = parked_rows(inbox_engine)
+    assert (row.reason, row.kafka_offset) == ("no-identity", 2)
+    assert "KeyError" in row.error
