@@ -102,6 +102,9 @@ class Transaction(Protocol):
     async def call(self, handler: Callable[..., Any], argument: Any) -> None:
         """``handler(argument, session)``, awaited when it is a coroutine function."""
 
+    def pending_writes(self) -> bool:
+        """Whether handlers left ORM writes not flushed yet."""
+
     async def flush(self) -> None:
         """Send the handlers' pending ORM writes, so that they fail here if they fail."""
 
@@ -216,7 +219,8 @@ def _claim(item: Item) -> Claim:
 
 class _FastPathFailed(Exception):
     """Something failed on the fast way; ``item`` is the record whose handler raised, when
-    one record can be blamed (not for a batch handler, nor for the final flush)."""
+    one record can be blamed (not for a batch handler, nor for the final flush, nor when
+    earlier handlers' ORM writes were still to be flushed)."""
 
     def __init__(self, item: Item | None) -> None:
         self.item = item
@@ -282,7 +286,10 @@ class Applier:
                 elif self.inbox.takes_batches(item.record.topic):
                     batches.setdefault(item.record.topic, []).append(item)
                 else:
-                    await self._fast(tx, item, item)
+                    # A statement flushes the ORM writes earlier handlers left (autoflush):
+                    # a failure then may be theirs, so this record is not blamed for it.
+                    blame = None if tx.pending_writes() else item
+                    await self._fast(tx, item, blame)
                     ledger.applied(item)
             for topic_items in batches.values():
                 await self._fast(tx, topic_items, None)
@@ -405,6 +412,8 @@ def prepare(inbox: Inbox, record: RawRecord, identity: str | None = None) -> Ite
             identity = inbox.identify(record)
         except MissingIdentity as exc:
             return Item(record, None, None, park=(NO_IDENTITY, str(exc)))
+        except Exception as exc:  # an identity function (missing_id) that fails on it
+            return Item(record, None, None, park=(NO_IDENTITY, _short_error(exc)))
     if record.topic not in inbox.handlers:
         return Item(record, identity, None, park=(UNDECODABLE, f"no handler for {record.topic}"))
     try:

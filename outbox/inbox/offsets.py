@@ -116,6 +116,12 @@ class Offsets:
                     del self._pending[tp]
             elif refused is None:
                 refused = p.error
+        if self._sent:
+            # Kafka answers. Behind a link slower than a batch the next commit leaves before
+            # this answer arrives, so some commit is always on its way: the wait counts
+            # from this answer, not from the first of those commits.
+            self._sent_since = time.monotonic()
+            self.health.kafka_call_since = self._sent_since
         self._after_sent()
         if refused is None:
             self._confirmed()

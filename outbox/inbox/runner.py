@@ -194,7 +194,10 @@ class InboxRunner(Stoppable):
             items = self._prepare(records)  # while the batch in hand is being applied
             self._settle(consumer)
             items = self._still_wanted(items)
-            if items:
+            # Stopping: nothing new goes to the database. The batch in hand may have been
+            # given up (the database out of reach); these records come after it, and
+            # applying them would commit offsets past records never applied.
+            if items and not self._stop.is_set():
                 self._in_hand = self._database.submit(self._apply, items)
             self.offsets.commit_async(consumer)
             if now >= next_lag:
@@ -307,15 +310,25 @@ class InboxRunner(Stoppable):
         revoked = {(p.topic, p.partition) for p in partitions}
         self._settle(consumer, leaving=revoked)  # the batch in hand is finished first
         self.offsets.commit_now(consumer, only=revoked)  # then committed, before others read
-        self._forget(revoked)
+        self._forget(consumer, revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may own them already; do not commit for them.
         lost = {(p.topic, p.partition) for p in partitions}
         self._settle(consumer, leaving=lost)
-        self._forget(lost)
+        self._forget(consumer, lost)
 
-    def _forget(self, partitions: set[TP]) -> None:
+    def _forget(self, consumer: Consumer, partitions: set[TP]) -> None:
+        # A partition paused for a retry stays paused in the client after it is unassigned,
+        # also when it is assigned again (the eager protocol revokes and assigns every
+        # partition on each rebalance): resumed while it is still assigned, it is read
+        # again from its committed offset if it comes back.
+        paused = [TopicPartition(t, p) for t, p in partitions if (t, p) in self._waiting]
+        if paused:
+            try:
+                consumer.resume(paused)
+            except KafkaException as exc:
+                log.warning("could not resume partitions that go", extra={"error": str(exc)})
         self.offsets.forget(partitions)
         for tp in partitions:
             self._failures.pop(tp, None)

@@ -49,6 +49,9 @@ class _SyncTransaction:
     async def call(self, handler: Callable[..., Any], argument: Any) -> None:
         handler(argument, self.session)
 
+    def pending_writes(self) -> bool:
+        return _has_orm_writes(self.session)
+
     async def flush(self) -> None:
         if _has_orm_writes(self.session):
             self.session.flush()
@@ -74,6 +77,9 @@ class _AsyncTransaction:
 
     async def call(self, handler: Callable[..., Any], argument: Any) -> None:
         await handler(argument, self.session)
+
+    def pending_writes(self) -> bool:
+        return _has_orm_writes(self.session)
 
     async def flush(self) -> None:
         if _has_orm_writes(self.session):

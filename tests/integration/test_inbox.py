@@ -342,3 +342,74 @@ def test_consume_stopped_while_it_imports_exits_0_having_done_nothing(
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     [listing] = [admin.list_consumer_groups(request_timeout=30).result(30)]
     assert name not in {g.group_id for g in listing.valid}, "it joined the group"
+
+
+def test_a_write_that_fails_when_a_later_handler_flushes_it_parks_only_its_own_record(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """On the fast way the handlers' ORM writes wait for one flush at the end of the batch,
+    but a later handler's query flushes them first (autoflush): the write of n=0 then fails
+    inside n=1's handler. Only n=0 may pay for it; n=1 must be applied, not parked in its
+    place (with max_attempts=1, a record blamed once is parked without another try)."""
+    from sqlalchemy.orm import DeclarativeBase, Session, mapped_column
+
+    from outbox.inbox import Inbox, InboxMessage
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Account(Base):
+        __tablename__ = "accounts"
+        id = mapped_column(sa.Integer, primary_key=True)
+
+    Base.metadata.create_all(inbox_engine)
+    with inbox_engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO accounts VALUES (1)"))
+    topic = make_topic("inbox-autoflush")
+    produce(bootstrap_servers, topic, range(10), keys=1)
+    inbox = Inbox(group=group())
+
+    @inbox.handler(topic)
+    def on_order(message: InboxMessage, session: Session) -> None:
+        if message.value["n"] == 0:
+            session.add(Account(id=1))  # already there: fails when flushed
+            return
+        session.execute(inbox_app._INSERT, inbox_app.apply(message, session))  # flushes first
+
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=1)
+    with running_consumer(inbox, config):
+        wait_for(
+            lambda: ledger_count(inbox_engine) + len(parked_rows(inbox_engine)) == 10,
+            60,
+            "every record applied or parked",
+        )
+    assert [row.kafka_offset for row in parked_rows(inbox_engine)] == [0]
+    assert_exactly_once(inbox_engine, range(1, 10))
+
+
+def test_a_record_the_identity_function_fails_on_is_parked_not_fatal(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """An identity function (``missing_id``) that raises on a record parks that record, as
+    one returning None does; it does not end the consumer (which, started again, would end
+    on the same record again)."""
+    topic = make_topic("inbox-identity-raises")
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    for n in range(5):
+        value = {"n": n, "amount": n} if n != 2 else {"amount": 2}  # n=2 lacks its key
+        producer.produce(
+            topic, orjson.dumps(value), key=b"k", headers=[("content-type", b"application/json")]
+        )
+    producer.flush(30)
+
+    def by_n(record) -> str:  # type: ignore[no-untyped-def]
+        return f"order-{orjson.loads(record.value)['n']}"
+
+    inbox = inbox_app.make_inbox([topic], group(), missing_id=by_n)
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as runner:
+        wait_for(lambda: ledger_count(inbox_engine) == 4, 60, "the others applied")
+        wait_for(lambda: len(parked_rows(inbox_engine)) == 1, 10, "the record parked")
+        assert runner.health.alive
+    [row] = parked_rows(inbox_engine)
+    assert (row.reason, row.kafka_offset) == ("no-identity", 2)
+    assert "KeyError" in row.error

@@ -221,3 +221,78 @@ def test_a_consumer_stopped_in_the_middle_of_a_rebalance_commits_what_it_applied
             faulty_kafka.set_latency(0)
     ends = applied_ends(inbox_engine)
     assert committed_offsets(bootstrap_servers, group, sorted(ends)) == ends
+
+
+def test_a_partition_waiting_for_a_retry_is_read_again_after_a_rebalance(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """A partition paused while its failing record waits for a retry is revoked and
+    assigned again (the eager protocol revokes everything on each rebalance): it must be
+    read again, not stay paused for good."""
+    topic = make_topic("inbox-rebalance-paused")
+    other_topic = make_topic("inbox-rebalance-other")
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    with inbox_engine.begin() as conn:
+        # n=3 fails on the fast way and alone: its partition waits for a retry.
+        conn.execute(sa.text("INSERT INTO fail_plan VALUES (3, 2)"))
+    produce(bootstrap_servers, topic, range(20), keys=1, extra={3: {"fail": True}})
+    eager = {"partition.assignment.strategy": "range"}
+    # A backoff far longer than the test waits: only the rebalance lets n=3 be read again.
+    config = consumer_config(
+        outbox_url, bootstrap_servers, kafka={**FAST, **eager}, backoff_base=60, backoff_max=60
+    )
+    runner = InboxRunner(inbox_app.make_inbox([topic], group), config)
+    with running(runner):
+        wait_for(lambda: bool(runner._waiting), 60, "the partition paused for a retry")
+        # A member reading another topic joins: the runner's partition is revoked and
+        # assigned back to it.
+        with group_member(bootstrap_servers, group, other_topic, **FAST, **eager) as other:
+            wait_for(lambda: len(other) == 1, 60, "the other member's partition")
+            wait_for(lambda: ledger_count(inbox_engine) == 20, 25, "everything applied")
+
+
+def test_a_consumer_behind_a_slow_link_stays_ready_while_its_commits_are_answered(
+    inbox_engine: sa.Engine,
+    outbox_url: str,
+    bootstrap_servers: str,
+    faulty_kafka: FaultProxy,
+    make_topic,
+) -> None:
+    """Offsets are committed asynchronously after each batch. Behind a link slower than a
+    batch, a new commit goes out before the last one is answered, every time: the runner
+    must still count Kafka as in reach while the answers keep coming, not as blocked on one
+    call that never ends."""
+    topic = make_topic("inbox-slow-link", partitions=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    config = consumer_config(outbox_url, f"127.0.0.1:{faulty_kafka.listen_port}")
+    runner = InboxRunner(inbox_app.make_inbox([topic], group), config)
+    stop = threading.Event()
+
+    def keep_producing() -> None:
+        n = 0
+        while not stop.is_set():
+            produce(bootstrap_servers, topic, range(n, n + 10))
+            n += 10
+            time.sleep(0.02)
+
+    producing = threading.Thread(target=keep_producing, name="producer", daemon=True)
+    try:
+        with running(runner):
+            producing.start()
+            wait_for(lambda: ledger_count(inbox_engine) > 0, 60, "the runner under way")
+            wait_for(lambda: runner.health.kafka_ok, 30, "Kafka in reach")
+            faulty_kafka.set_latency(150)
+            not_ready = []
+            deadline = time.monotonic() + 12
+            while time.monotonic() < deadline:
+                if not runner.health.kafka_ok:
+                    not_ready.append(round(deadline - time.monotonic(), 1))
+                time.sleep(0.2)
+            before = ledger_count(inbox_engine)
+            time.sleep(1)
+            assert ledger_count(inbox_engine) > before, "the runner stopped applying"
+            assert not not_ready, f"Kafka counted out of reach while answering: {not_ready}"
+    finally:
+        stop.set()
+        producing.join(30)
+        faulty_kafka.set_latency(0)

@@ -4,6 +4,7 @@ that sends everything twice. Each business effect (a ledger row) must happen exa
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import sqlalchemy as sa
 
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.postgres import PostgresServer
+from outbox.inbox import InboxRunner
 from tests import inbox_app
 from tests.inbox_helpers import (
     assert_exactly_once,
@@ -222,3 +224,63 @@ def test_a_consumer_stopped_while_kafka_does_not_answer_still_stops(
         runner.stop()
         thread.join(60)
     assert_exactly_once(inbox_engine, numbers)
+
+
+def planned_left(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT sum(failures_left) FROM fail_plan")).scalar_one())
+
+
+def caught_up(runner: InboxRunner) -> bool:
+    """The runner has read its partitions to their ends (its lag metric is 0 for each)."""
+    samples = [
+        s.value
+        for metric in runner.metrics.lag.collect()
+        for s in metric.samples
+        if s.name.endswith("_lag")
+    ]
+    return bool(samples) and not any(samples)
+
+
+def test_a_consumer_stopped_while_its_batch_waits_for_the_database_skips_nothing(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """A batch's connection breaks, and the runner waits out a backoff before trying it
+    again; meanwhile it has read the next records. Stopped in that backoff, it must give up
+    the batch in hand *and* what it read after it: applying the later records and committing
+    their offsets would skip the earlier ones for good."""
+    from sqlalchemy.orm import Session
+
+    from outbox.inbox import Inbox, InboxMessage
+
+    topic = make_topic("inbox-stop-outage")
+    numbers = range(40)
+    with inbox_engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO fail_plan VALUES (3, 1)"))  # n=3 breaks it once
+    produce(bootstrap_servers, topic, numbers, keys=1, extra={3: {"fail": True}})
+    name = group()
+    inbox = Inbox(group=name)
+
+    @inbox.handler(topic)
+    def on_order(message: InboxMessage, session: Session) -> None:
+        if message.value.get("fail"):
+            with session.get_bind().connect() as conn:  # type: ignore[union-attr]
+                left = conn.execute(inbox_app._FAIL, {"n": message.value["n"]}).first()
+                conn.commit()
+            if left is not None:  # the connection breaks (as in a PostgreSQL restart)
+                session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
+        session.execute(inbox_app._INSERT, inbox_app.apply(message, session))
+
+    config = consumer_config(
+        outbox_url, bootstrap_servers, batch_size=10, backoff_base=6.0, backoff_max=6.0
+    )
+    with running_consumer(inbox, config) as runner:
+        wait_for(lambda: planned_left(inbox_engine) == 0, 60, "the connection broken")
+        time.sleep(1.0)  # in the backoff (3 to 6 s); the next records are read meanwhile
+        assert not runner.health.database_ok
+        runner.stop()
+    # A second consumer of the group starts where the first one's offsets say.
+    with running_consumer(inbox, consumer_config(outbox_url, bootstrap_servers)) as second:
+        wait_for(lambda: second.offsets.pending == {} and caught_up(second), 60, "caught up")
+    assert_exactly_once(inbox_engine, numbers)
+    assert_partition_order(inbox_engine)
