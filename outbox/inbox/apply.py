@@ -18,6 +18,12 @@ Two ways through a batch:
 A failing record blocks the rest of its partition in this batch (order per partition); the
 runner seeks back to it and retries after a backoff, and parks it after the last attempt.
 
+A handler's write that breaks a deferred constraint (``DEFERRABLE INITIALLY DEFERRED``)
+fails only at the commit, where no record can be blamed. The batch is then run the careful
+way with the deferred constraints checked at the end of each record's handler, inside its
+savepoint (``SET CONSTRAINTS ALL IMMEDIATE``, then ``ALL DEFERRED`` for the next record), so
+that the record whose writes break one fails alone, and the others commit.
+
 The algorithm is written once, as coroutines, for both kinds of session:
 :mod:`outbox.inbox.sessions` runs it on a plain ``Session`` (where no step ever waits) and
 on an ``AsyncSession``.
@@ -126,6 +132,13 @@ def _short_error(exc: BaseException) -> str:
 
 def _broken_connection(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError) and bool(exc.connection_invalidated)
+
+
+def _check_deferred_constraints(session: Any) -> None:
+    """Check the writes so far against the deferred constraints now (a violation raises
+    here), then defer them again for the next record's handler."""
+    session.execute(sa.text("SET CONSTRAINTS ALL IMMEDIATE"))
+    session.execute(sa.text("SET CONSTRAINTS ALL DEFERRED"))
 
 
 def database_error(exc: BaseException) -> DatabaseUnavailable:
@@ -259,9 +272,29 @@ class Applier:
                     failed.item.failures += 1
                     failed.item.last_error = _short_error(cause)
                     self.metrics.retried.labels(failed.item.record.topic).inc()
-        return await self._run(items, careful=True)
+            except sa.exc.IntegrityError as exc:
+                return await self._refused_at_commit(items, exc)
+        try:
+            return await self._run(items, careful=True)
+        except sa.exc.IntegrityError as exc:
+            return await self._refused_at_commit(items, exc)
 
-    async def _run(self, items: Sequence[Item], careful: bool) -> BatchResult:
+    async def _refused_at_commit(
+        self, items: Sequence[Item], exc: sa.exc.IntegrityError
+    ) -> BatchResult:
+        """The commit broke a deferred constraint: find the record whose writes did, by
+        checking the constraints after each record's handler."""
+        if _broken_connection(exc):
+            raise database_error(exc) from exc
+        log.warning(
+            "the batch's commit broke a deferred constraint: checking each record's writes",
+            extra={"error": _short_error(exc).splitlines()[0]},
+        )
+        return await self._run(items, careful=True, check_deferred=True)
+
+    async def _run(
+        self, items: Sequence[Item], careful: bool, check_deferred: bool = False
+    ) -> BatchResult:
         ledger = _Ledger(self.metrics, self.max_attempts)
         group = self.inbox.group
         async with self.begin() as tx:
@@ -280,7 +313,7 @@ class Applier:
                     ledger.duplicate(item)
                     continue
                 if careful:
-                    await self._careful(tx, ledger, item)
+                    await self._careful(tx, ledger, item, check_deferred)
                 elif item.identity not in new:
                     ledger.duplicate(item)
                 elif self.inbox.takes_batches(item.record.topic):
@@ -314,7 +347,9 @@ class Applier:
                 raise database_error(exc) from exc
             raise _FastPathFailed(blame) from exc
 
-    async def _careful(self, tx: Transaction, ledger: _Ledger, item: Item) -> None:
+    async def _careful(
+        self, tx: Transaction, ledger: _Ledger, item: Item, check_deferred: bool = False
+    ) -> None:
         if item.failures >= self.max_attempts:  # its last attempt was on the fast way
             error = item.last_error or "handler failed"
             await self._park(tx, ledger, item, HANDLER_FAILED, error, attempts=item.failures)
@@ -327,6 +362,8 @@ class Applier:
                 return
             await self._call(tx, [item] if self.inbox.takes_batches(item.record.topic) else item)
             await tx.flush()
+            if check_deferred:
+                await tx.run(_check_deferred_constraints)
             await tx.release(savepoint)
         except Exception as exc:
             if _broken_connection(exc):

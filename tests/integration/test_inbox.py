@@ -413,3 +413,68 @@ def test_a_record_the_identity_function_fails_on_is_parked_not_fatal(
     [row] = parked_rows(inbox_engine)
     assert (row.reason, row.kafka_offset) == ("no-identity", 2)
     assert "KeyError" in row.error
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["per-message", "batch-handler"])
+def test_a_write_breaking_a_deferred_constraint_parks_its_record_and_no_other(
+    batch: bool, inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """A deferred constraint fails at the commit, where no record is to blame: the batch is
+    run again checking the deferred constraints after each record, so that only the record
+    whose writes break one is retried and parked, and the consumer goes on (it used to take
+    the failed commit for a database outage and retry the whole batch forever). Handlers
+    that rely on deferral within their own writes still work."""
+    from sqlalchemy.orm import Session
+
+    from outbox.inbox import Inbox, InboxMessage
+
+    with inbox_engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE parents (id int PRIMARY KEY)"))
+        conn.execute(
+            sa.text(
+                "CREATE TABLE children (n int PRIMARY KEY, parent int REFERENCES parents (id) "
+                "DEFERRABLE INITIALLY DEFERRED)"
+            )
+        )
+        conn.execute(sa.text("INSERT INTO parents VALUES (1)"))
+    topic = make_topic("inbox-deferred")
+    produce(bootstrap_servers, topic, range(10), keys=1)
+    inbox = Inbox(group=group())
+    child = sa.text("INSERT INTO children VALUES (:n, :parent)")
+
+    def write(message: InboxMessage, session: Session) -> None:
+        n = message.value["n"]
+        if n == 3:
+            session.execute(child, {"n": n, "parent": 999})  # no such parent: breaks at commit
+        elif n == 5:  # the child first, its parent after: fine once the handler is done
+            session.execute(child, {"n": n, "parent": 500})
+            session.execute(sa.text("INSERT INTO parents VALUES (500)"))
+        else:
+            session.execute(child, {"n": n, "parent": 1})
+        session.execute(inbox_app._INSERT, inbox_app.apply(message, session))
+
+    if batch:
+
+        @inbox.batch_handler(topic)
+        def on_orders(messages: list[InboxMessage], session: Session) -> None:
+            for message in messages:
+                write(message, session)
+
+    else:
+        inbox.handler(topic)(write)
+
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=2)
+    with running_consumer(inbox, config) as runner:
+        wait_for(
+            lambda: ledger_count(inbox_engine) + len(parked_rows(inbox_engine)) == 10,
+            60,
+            "every record applied or parked",
+        )
+        assert runner.health.database_ok
+    [row] = parked_rows(inbox_engine)
+    assert (row.kafka_offset, row.attempts) == (3, 2)
+    assert "children_parent_fkey" in row.error
+    assert_exactly_once(inbox_engine, [n for n in range(10) if n != 3])
+    with inbox_engine.connect() as conn:
+        children = conn.execute(sa.text("SELECT n FROM children ORDER BY n")).scalars().all()
+    assert children == [n for n in range(10) if n != 3]
