@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     print()
     print(
-        f"{'configuration':<30}{'msgs/s':>10}{'vs min(py producer, PG)':>25}"
+        f"{'configuration':<40}{'msgs/s':>10}{'vs min(py producer, PG)':>25}"
         f"{'relay cores':>13}{'machine busy':>14}{'peak RSS MB':>13}{'RSS 2nd half':>14}"
     )
     for run in runs:
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         cores = f"{run.relay_cores:.2f}" if run.relay_cores else "-"
         busy = f"{run.machine_busy:.0%}" if run.relay_cores else "-"
         print(
-            f"{run.name:<30}{run.rate:>10,.0f}{run.rate / floor:>25.2f}"
+            f"{run.name:<40}{run.rate:>10,.0f}{run.rate / floor:>25.2f}"
             f"{cores:>13}{busy:>14}{rss:>13}{growth:>14}"
         )
     print(
