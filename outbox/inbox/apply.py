@@ -407,7 +407,9 @@ class Applier:
         """Apply parked messages an operator marked for retry; returns how many were handled.
 
         Each in a savepoint of its own: one that fails again is parked again with its new
-        error, one applied meanwhile (a later copy) only leaves the parked table."""
+        error, one applied meanwhile (a later copy) only leaves the parked table. Deferred
+        constraints are checked after each one, inside its savepoint, so that a message
+        whose writes break one is parked again alone instead of failing the commit of all."""
         async with self.begin() as tx:
             rows = await tx.run(self.store.take_requeued, self.inbox.group, limit)
             for row in rows:
@@ -420,6 +422,7 @@ class Applier:
                         batch = self.inbox.takes_batches(item.record.topic)
                         await self._call(tx, [item] if batch else item)
                         await tx.flush()
+                        await tx.run(_check_deferred_constraints)
                     await tx.release(savepoint)
                 except Exception as exc:
                     await tx.rollback(savepoint)

@@ -20,6 +20,7 @@ from confluent_kafka.admin import AdminClient
 
 from outbox.cli import main
 from outbox.inbox import BY_OFFSET
+from outbox.inbox.schema import PARKED
 from tests import inbox_app
 from tests.inbox_helpers import (
     assert_exactly_once,
@@ -471,10 +472,37 @@ def test_a_write_breaking_a_deferred_constraint_parks_its_record_and_no_other(
             "every record applied or parked",
         )
         assert runner.health.database_ok
-    [row] = parked_rows(inbox_engine)
-    assert (row.kafka_offset, row.attempts) == (3, 2)
-    assert "children_parent_fkey" in row.error
-    assert_exactly_once(inbox_engine, [n for n in range(10) if n != 3])
+        [row] = parked_rows(inbox_engine)
+        assert (row.kafka_offset, row.attempts) == (3, 2)
+        assert "children_parent_fkey" in row.error
+        assert_exactly_once(inbox_engine, [n for n in range(10) if n != 3])
+        # An operator's retry of it breaks the constraint again: it is parked again, alone,
+        # and a message requeued with it is applied (the requeue's commit used to fail for
+        # all of them, again and again).
+        with inbox_engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO inbox_parked (consumer_group, message_id, topic, kafka_partition, "
+                    "kafka_offset, key, value, header_names, header_values, reason, error, "
+                    "attempts) SELECT consumer_group, 'another', topic, kafka_partition, "
+                    "kafka_offset + 100, key, convert_to('{\"n\": 42, \"amount\": 42}', 'UTF8'), "
+                    "header_names, header_values, reason, error, attempts "
+                    "FROM inbox_parked"
+                )
+            )
+        retried = CliRunner().invoke(
+            main, ["inbox", "parked", "retry", "--all", "--database-url", outbox_url]
+        )
+        assert "requeued 2 parked message(s)" in retried.output, retried.output
+        wait_for(lambda: ledger_count(inbox_engine) == 10, 30, "the other requeued one applied")
+        wait_for(
+            lambda: (
+                [(r.kafka_offset, r.status) for r in parked_rows(inbox_engine)] == [(3, PARKED)]
+            ),
+            30,
+            "the culprit parked again",
+        )
+        assert runner.health.database_ok
     with inbox_engine.connect() as conn:
         children = conn.execute(sa.text("SELECT n FROM children ORDER BY n")).scalars().all()
-    assert children == [n for n in range(10) if n != 3]
+    assert children == [n for n in range(10) if n != 3] + [42]
