@@ -33,9 +33,6 @@ class KafkaCluster:
     ) -> KafkaCluster:
         """Nodes under ``root/node-<id>`` on the given (port, controller port) pairs."""
         cluster_id = cluster_id or new_cluster_id()
-        voters = ",".join(
-            f"{number}@127.0.0.1:{controller}" for number, (_, controller) in enumerate(ports, 1)
-        )
         nodes = [
             KafkaBroker(
                 root=root / f"node-{number}",
@@ -43,14 +40,22 @@ class KafkaCluster:
                 port=port,
                 controller_port=controller,
                 node_id=number,
-                voters=voters,
                 cluster_id=cluster_id,
                 replication=len(ports),
                 heap=CLUSTER_HEAP,
             )
             for number, (port, controller) in enumerate(ports, 1)
         ]
-        return cls(nodes, cluster_id)
+        cluster = cls(nodes, cluster_id)
+        cluster.name_voters()
+        return cluster
+
+    def name_voters(self) -> None:
+        """Tell every node the controller quorum (``id@host:port,...``): again whenever a
+        node's controller port changes."""
+        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
+        for node in self.nodes:
+            node.voters = voters
 
     @property
     def bootstrap_servers(self) -> str:

@@ -173,10 +173,7 @@ class LocalStack:
                 taken.add(node.port)
                 node.controller_port = _usable_port(node.controller_port, avoid=taken)
             taken.update((node.port, node.controller_port))
-        if len({n.controller_port for n in cluster.nodes}) == len(cluster.nodes):
-            voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in cluster.nodes)
-            for node in cluster.nodes:
-                node.voters = voters
+        cluster.name_voters()
         self._save_state()
         cluster.start()
 

@@ -65,6 +65,17 @@ def relay_args(mode: str) -> list[str]:
     return ["--mode", mode, "--transactional-id-prefix", prefix, "--progress-topic", f"p-{prefix}"]
 
 
+def assert_each_delivered(
+    cluster: KafkaCluster, topic: str, ids: list[uuid.UUID], mode: str
+) -> None:
+    """Every message on the topic; exactly once in exactly-once mode."""
+    records = consume_messages(cluster.bootstrap_servers, topic, expect=len(ids), timeout=90)
+    copies = Counter(message_id(r) for r in records)
+    assert set(copies) == set(ids)
+    if mode == "exactly-once":
+        assert max(copies.values()) == 1
+
+
 def test_topics_and_internal_topics_are_replicated_on_every_node(
     all_nodes_up: KafkaCluster,
 ) -> None:
@@ -99,11 +110,7 @@ def test_a_partition_leader_killed_mid_stream_loses_nothing(
     wait_for(lambda: statuses(engine) == {"sent": 4000}, 120, "every row sent without the leader")
     leader.start()
     assert stop_process(relay) == 0
-    records = consume_messages(cluster.bootstrap_servers, topic, expect=4000, timeout=90)
-    copies = Counter(message_id(r) for r in records)
-    assert set(copies) == set(ids + more)
-    if mode == "exactly-once":
-        assert max(copies.values()) == 1
+    assert_each_delivered(cluster, topic, ids + more, mode)
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
@@ -138,8 +145,4 @@ def test_two_nodes_down_stall_writes_and_lose_none(
     wait_for(lambda: statuses(engine) == {"sent": 1000}, 180, "every row sent after the stall")
     assert relay.poll() is None, "the relay must ride the stall out, not exit"
     assert stop_process(relay, signal.SIGTERM) == 0
-    records = consume_messages(cluster.bootstrap_servers, topic, expect=1000, timeout=90)
-    copies = Counter(message_id(r) for r in records)
-    assert set(copies) == set(ids + more)
-    if mode == "exactly-once":
-        assert max(copies.values()) == 1
+    assert_each_delivered(cluster, topic, ids + more, mode)
