@@ -166,3 +166,37 @@ def test_a_row_requeued_by_repair_is_sent_again_not_marked_sent_by_the_old_progr
     assert [ack.generation for ack in resent.acks] == [1]
     copies = consume_messages(bootstrap_servers, topic, expect=21)
     assert sum(1 for r in copies if message_id(r) == lost) == 2
+
+
+def test_a_progress_reader_with_stale_metadata_is_replaced_so_the_next_take_over_works(
+    kafka_broker: KafkaBroker,
+) -> None:
+    """The state a chaos run once met after a broker restart: the reader's metadata lacks the
+    shard's partition, and it answers "Unknown partition" until its next metadata refresh
+    (five minutes by default). Made on demand here: the reader learns the progress topic
+    while it has one partition, then the topic grows. Without replacing the reader after a
+    failed take-over, every later take-over of the shard fails the same way."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import NewPartitions, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap_servers})
+    prefix = f"eos-{uuid.uuid4().hex[:8]}"
+    progress = f"p-{prefix}"
+    admin.create_topics([NewTopic(progress, num_partitions=1, replication_factor=1)])[
+        progress
+    ].result(30)
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": kafka_broker.bootstrap_servers},
+        transactional_id_prefix=prefix,
+        progress_topic=progress,
+        owner="relay-a",
+        delivery_timeout_ms=10_000,
+    )
+    try:
+        assert publisher.take_over([0]) == []  # the reader now knows one partition
+        admin.create_partitions([NewPartitions(progress, 16)])[progress].result(30)
+        with pytest.raises(KafkaException, match="Unknown partition"):
+            publisher.take_over([5])
+        assert publisher.take_over([5]) == []  # a fresh reader sees all 16
+    finally:
+        publisher.close()
