@@ -81,6 +81,13 @@ SEED = _Seed()
     "stage out, and its faults with it.",
 )
 @click.option(
+    "--writer-processes",
+    type=click.IntRange(min=0, max=6),
+    default=None,
+    help="Writers that are processes of their own, killed with -9 by the schedule (default: "
+    "the profile's, 2; with immediate send in at-least-once runs); 0 leaves them out.",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -96,19 +103,22 @@ def chaos(
     duration: float | None,
     rate: float | None,
     consumers: int | None,
+    writer_processes: int | None,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
 ) -> None:
     """Break things on purpose and prove nothing was lost, invented or reordered.
 
-    Starts a private PostgreSQL + Kafka, runs writers (some transactions rolled back on purpose),
-    three relays, and consumers applying every message to a second service's database through
-    the inbox, and plays a fault schedule drawn from --seed: relay and consumer kill -9 and
-    SIGTERM, broker stop/start, PostgreSQL restart, and latency, dropped and stalled connections
-    to the broker. Then it drains, runs the reconciliation job, reads the topics back and checks
-    that every committed message was applied once, in key order. The last line is the result as
-    JSON. Exit 0: every guarantee held; 1: a violation; 2: the run could not be carried out.
+    Starts a private PostgreSQL + Kafka, runs writers (some transactions rolled back on purpose;
+    some writers are processes, killed with -9 mid-transaction and, at-least-once, sending
+    immediately), three relays, and consumers applying every message to a second service's
+    database through the inbox, and plays a fault schedule drawn from --seed: relay, consumer
+    and writer kill -9, relay and consumer SIGTERM, broker stop/start, PostgreSQL restart, and
+    latency, dropped and stalled connections to the broker. Then it drains, runs the
+    reconciliation job, reads the topics back and checks that every committed message was
+    applied once, in key order. The last line is the result as JSON. Exit 0: every guarantee
+    held; 1: a violation; 2: the run could not be carried out.
     """
     if seed is None:
         seed = secrets.randbelow(2**31)
@@ -116,6 +126,8 @@ def chaos(
     chosen = PROFILES[profile]
     if consumers is not None:
         chosen = replace(chosen, consumers=consumers)
+    if writer_processes is not None:
+        chosen = replace(chosen, writer_processes=writer_processes)
     if plan_only:
         for fault in plan(seed, chosen, duration):
             click.echo(json.dumps(fault.to_json()))

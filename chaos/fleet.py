@@ -1,4 +1,5 @@
-"""Processes under test, started, killed and restarted by index: the relays and the consumers.
+"""Processes under test, started, killed and restarted by index: the relays, the consumers
+and the writer processes.
 
 Each process serves ``/metrics`` on a port of its own (a new one at each start: the last one
 may have been taken while the process was down); that it answers tells that it has finished
@@ -55,8 +56,7 @@ class ProcessFleet:
 
     def start(self, index: int) -> None:
         self.ports[index] = free_port()
-        command = [sys.executable, "-m", "outbox.cli", *self.args]
-        command += ["--metrics-port", str(self.ports[index])]
+        command = [*self.command(index), "--metrics-port", str(self.ports[index])]
         with (self.logs / f"{self.name}-{index}.log").open("ab") as log:
             self.processes[index] = subprocess.Popen(
                 command,
@@ -65,6 +65,10 @@ class ProcessFleet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
+
+    def command(self, index: int) -> list[str]:
+        """The command that starts process ``index`` (without its metrics port)."""
+        return [sys.executable, "-m", "outbox.cli", *self.args]
 
     def start_all(self) -> None:
         for index in range(self.count):

@@ -43,6 +43,7 @@ from outbox.chaos.schedule import (
     POSTGRES_RESTART,
     RELAY_KILL,
     RELAY_TERM,
+    WRITER_KILL,
     Fault,
     Profile,
     plan,
@@ -50,9 +51,11 @@ from outbox.chaos.schedule import (
 from outbox.chaos.service import prepare_database
 from outbox.chaos.stack import ChaosStack
 from outbox.chaos.verdict import ConsumingFindings, Findings
-from outbox.chaos.writers import CREATE_BUSINESS_TABLE, PARTITIONS, TOPICS, Writer
+from outbox.chaos.writer_fleet import WriterFleet
+from outbox.chaos.writers import CREATE_BUSINESS_TABLE, PARTITIONS, TOPICS, Tally, Writer
 from outbox.devstack.stack import sweep_stale_runs
 from outbox.devstack.topics import create_topics
+from outbox.relay.config import AT_LEAST_ONCE
 
 #: The longest wait for the relays to send everything once the faults are over.
 DRAIN_TIMEOUT = 300.0
@@ -144,6 +147,8 @@ class ChaosRun:
         self.consumers: ConsumerFleet | None = None
         self.service_url = ""
         self.writers: list[Writer] = []
+        self.writer_fleet: WriterFleet | None = None
+        self.writer_fleet_stopped = False
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -163,8 +168,8 @@ class ChaosRun:
             time.monotonic() - started,
             list(self.log.faults),
             committed=extra.pop("committed"),
-            rolled_back=sum(len(w.tally.rolled_back) for w in self.writers),
-            uncertain=sum(len(w.tally.uncertain) for w in self.writers),
+            rolled_back=sum(len(t.rolled_back) for t in self._tallies()),
+            uncertain=sum(len(t.uncertain) for t in self._tallies()),
             findings=findings,
             extra=extra,
         )
@@ -177,6 +182,8 @@ class ChaosRun:
             f"chaos run {self.run_id}: {s.mode}, seed {s.seed}, profile {self.profile.name}, "
             f"{len(self.schedule)} faults planned, {self.rate:.0f} msgs/s, "
             f"{self.profile.relays} relays, {self.profile.consumers} consumers, "
+            f"{self.profile.writers} writer threads and {self.profile.writer_processes} "
+            "writer processes, "
             f"output {s.output}"
         )
         for fault in self.schedule:
@@ -208,13 +215,26 @@ class ChaosRun:
         self.log.event("servers up; relays, consumers and writers starting")
         for fleet in self._fleets():
             fleet.start_all()
-        per_writer = self.rate / self.profile.writers
+        per_writer = self.rate / (self.profile.writers + self.profile.writer_processes)
         self.writers = [
             Writer(i, info.database_url, list(TOPICS), s.seed, per_writer)
             for i in range(self.profile.writers)
         ]
         for writer in self.writers:
             writer.start()
+        if self.profile.writer_processes:
+            # Immediate send is at-least-once whatever the relays do (docs/immediate-send.md):
+            # an exactly-once run leaves sending to its relays.
+            self.writer_fleet = WriterFleet(
+                self.profile.writer_processes,
+                info.database_url,
+                self.stack.proxied_bootstrap,
+                s.output,
+                rate=per_writer,
+                seed=s.seed,
+                immediate=s.mode == AT_LEAST_ONCE,
+            )
+            self.writer_fleet.start_all()
 
     def _play(self) -> None:
         for fault in self.schedule:
@@ -225,12 +245,21 @@ class ChaosRun:
         self._wait_until(max(end, self.log.elapsed() + 2.0))
         for writer in self.writers:
             writer.stop()
+        writer_exits = self.writer_fleet.stop_all() if self.writer_fleet else []
         for writer in self.writers:
             writer.join(60)
-        self.log.event("writers stopped")
+        self.log.event(f"writers stopped (processes' exit codes {writer_exits})")
+        self.writer_fleet_stopped = True
 
     def _fleets(self) -> list[ProcessFleet]:
-        return [fleet for fleet in (self.fleet, self.consumers) if fleet is not None]
+        """The fleets to keep running: relays, consumers, and the writers until they stop."""
+        writers = None if self.writer_fleet_stopped else self.writer_fleet
+        return [fleet for fleet in (self.fleet, self.consumers, writers) if fleet is not None]
+
+    def _tallies(self) -> list[Tally]:
+        """What every writer did: the threads', and the processes' from their journals."""
+        processes = self.writer_fleet.tallies() if self.writer_fleet else []
+        return [w.tally for w in self.writers] + processes
 
     def _wait_until(self, offset: float) -> None:
         """Sleep until ``offset`` seconds into the run, restarting relays and consumers that
@@ -261,6 +290,8 @@ class ChaosRun:
             return self.fleet, fault.relay or 0
         if fault.kind in (CONSUMER_KILL, CONSUMER_TERM) and self.consumers is not None:
             return self.consumers, fault.consumer or 0
+        if fault.kind == WRITER_KILL and self.writer_fleet is not None:
+            return self.writer_fleet, fault.writer or 0
         return None
 
     def _inject(self, fault: Fault) -> None:
@@ -269,7 +300,7 @@ class ChaosRun:
         self.log.faults.append({**fault.to_json(), "started": entry["at"], "t": entry["t"]})
         if target is not None:
             fleet, index = target
-            if fault.kind in (RELAY_KILL, CONSUMER_KILL):
+            if fault.kind in (RELAY_KILL, CONSUMER_KILL, WRITER_KILL):
                 fleet.kill(index)
             else:
                 code = fleet.terminate(index)
@@ -339,22 +370,30 @@ class ChaosRun:
             records = audit.read_topics(self.stack.direct_bootstrap, TOPICS)
             rows = audit.row_facts(engine, TOPICS)
             order = audit.order_violations(records, rows)
-            rolled_back = [i for w in self.writers for i in w.tally.rolled_back]
-            committed = [i for w in self.writers for i in w.tally.committed]
-            uncertain = [i for w in self.writers for i in w.tally.uncertain]
+            tallies = self._tallies()
+            rolled_back = [i for t in tallies for i in t.rolled_back]
+            committed = [i for t in tallies for i in t.committed]
+            uncertain = [i for t in tallies for i in t.uncertain]
             on_topic = {r.message_id for r in records}
             uncertain_present = audit.present_ids(engine, uncertain)
+            # An uncertain commit that did not happen (a writer killed before or during its
+            # COMMIT) must be as absent from the topics as a rollback.
+            never_committed = set(rolled_back) | (set(uncertain) - set(uncertain_present))
             findings = Findings(
                 mode=self.settings.mode,
                 reconciliation=summary.per_class(),
                 order_violations=len(order),
                 rolled_back_in_table=len(audit.present_ids(engine, rolled_back)),
-                rolled_back_on_topic=len(on_topic.intersection(rolled_back)),
+                rolled_back_on_topic=len(on_topic & never_committed),
                 lost_commits=len(set(committed) - set(rows)),
                 atomicity_breaks=audit.atomicity_breaks(engine, TOPICS),
                 relay_crashes=len(self.fleet.crashes) if self.fleet else 0,
                 unclean_stops=sum(1 for c in self.fleet.term_exits if c) if self.fleet else 0,
-                writer_failures=[repr(w.failure) for w in self.writers if w.failure],
+                writer_failures=[repr(w.failure) for w in self.writers if w.failure]
+                + [
+                    f"writer process {index} exited by itself with code {code}"
+                    for index, code in (self.writer_fleet.crashes if self.writer_fleet else [])
+                ],
             )
             statuses = audit.status_counts(engine)
         finally:
@@ -372,6 +411,7 @@ class ChaosRun:
             "uncertain_commits": len(uncertain),
             "uncertain_committed": len(uncertain_present),
             "relay_term_exit_codes": self.fleet.term_exits if self.fleet else [],
+            "writer_processes": self.writer_fleet.figures() if self.writer_fleet else {},
             "output": str(self.settings.output),
         }
         if consuming_extra:
@@ -430,6 +470,8 @@ class ChaosRun:
     def _tear_down(self) -> None:
         for writer in self.writers:
             writer.stop()
+        if self.writer_fleet is not None:
+            self.writer_fleet.kill_all()
         for fleet in self._fleets():
             fleet.kill_all()
         self.stack.down(keep_files=self.settings.keep_data)

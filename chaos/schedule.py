@@ -21,6 +21,7 @@ NET_DROP = "net_drop"  # every connection reset; new ones refused for the hold
 NET_STALL = "net_stall"  # connections stay open but no byte moves for the hold
 CONSUMER_KILL = "consumer_kill"  # kill -9 one inbox consumer, restart it after the hold
 CONSUMER_TERM = "consumer_term"  # SIGTERM one inbox consumer (it drains), restart it
+WRITER_KILL = "writer_kill"  # kill -9 one writer process (often mid-transaction), restart it
 
 #: Faults of the publishing side, played in every run.
 PUBLISHING_FAULTS = (
@@ -34,7 +35,9 @@ PUBLISHING_FAULTS = (
 )
 #: Faults of the consuming stage, played when the run has consumers.
 CONSUMING_FAULTS = (CONSUMER_KILL, CONSUMER_TERM)
-FAULT_KINDS = PUBLISHING_FAULTS + CONSUMING_FAULTS
+#: Faults of the writer processes, played when the run has some.
+WRITING_FAULTS = (WRITER_KILL,)
+FAULT_KINDS = PUBLISHING_FAULTS + CONSUMING_FAULTS + WRITING_FAULTS
 
 #: How long each kind of fault lasts, in seconds: (shortest, longest).
 HOLDS: dict[str, tuple[float, float]] = {
@@ -47,6 +50,7 @@ HOLDS: dict[str, tuple[float, float]] = {
     NET_STALL: (3.0, 15.0),
     CONSUMER_KILL: (0.0, 4.0),
     CONSUMER_TERM: (0.0, 4.0),
+    WRITER_KILL: (0.0, 4.0),
 }
 
 
@@ -62,15 +66,23 @@ class Profile:
     writers: int = 3
     relays: int = 3
     consumers: int = 3  # inbox consumers in one group; 0 leaves the consuming stage out
+    #: Writers that are processes of their own (killed with -9 by ``writer_kill``), beside
+    #: the ``writers`` threads; at-least-once runs give them immediate send.
+    writer_processes: int = 0
 
     @property
     def fault_kinds(self) -> tuple[str, ...]:
-        return FAULT_KINDS if self.consumers else PUBLISHING_FAULTS
+        kinds = PUBLISHING_FAULTS + (CONSUMING_FAULTS if self.consumers else ())
+        return kinds + (WRITING_FAULTS if self.writer_processes else ())
 
 
 PROFILES = {
-    "short": Profile("short", duration=75.0, min_gap=2.0, max_gap=5.0, rate=150.0),
-    "long": Profile("long", duration=1200.0, min_gap=3.0, max_gap=20.0, rate=300.0),
+    "short": Profile(
+        "short", duration=75.0, min_gap=2.0, max_gap=5.0, rate=150.0, writer_processes=2
+    ),
+    "long": Profile(
+        "long", duration=1200.0, min_gap=3.0, max_gap=20.0, rate=300.0, writer_processes=2
+    ),
 }
 
 
@@ -85,6 +97,7 @@ class Fault:
     how: str | None = None  # broker: "term" | "kill"; postgres: "fast" | "immediate"
     latency_ms: int | None = None
     consumer: int | None = None  # for consumer faults: its index
+    writer: int | None = None  # for writer faults: its index
 
     @property
     def heals_at(self) -> float:
@@ -96,6 +109,8 @@ class Fault:
             parts.append(f"relay-{self.relay}")
         if self.consumer is not None:
             parts.append(f"consumer-{self.consumer}")
+        if self.writer is not None:
+            parts.append(f"writer-{self.writer}")
         if self.how:
             parts.append(self.how)
         if self.latency_ms is not None:
@@ -111,8 +126,8 @@ def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fau
     """The faults of one run: one of each kind first, then random kinds until ``duration``
     (the profile's by default). Same ``seed`` and profile, same list.
 
-    Without consumers the kinds are the publishing side's only, so such a profile plays the
-    schedule a seed gave before the consuming stage existed."""
+    Without consumers and writer processes the kinds are the publishing side's only, so such
+    a profile plays the schedule a seed gave before those stages existed."""
     rng = random.Random(seed)
     end = profile.duration if duration is None else duration
     kinds = profile.fault_kinds
@@ -139,6 +154,8 @@ def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
         return Fault(at, kind, hold, relay=rng.randrange(profile.relays))
     if kind in CONSUMING_FAULTS:
         return Fault(at, kind, hold, consumer=rng.randrange(profile.consumers))
+    if kind == WRITER_KILL:
+        return Fault(at, kind, hold, writer=rng.randrange(profile.writer_processes))
     if kind == BROKER_RESTART:
         return Fault(at, kind, hold, how=rng.choice(("term", "kill")))
     if kind == POSTGRES_RESTART:

@@ -1,22 +1,32 @@
-"""Writers: threads committing business transactions with outbox messages at a steady rate.
+"""Writers: business transactions with outbox messages at a steady rate.
 
-Each writer owns its keys, so a key's messages are made by one thread in order and the order
+Each writer owns its keys, so a key's messages are made by one writer in order and the order
 the relay must keep is the order of the outbox's ``seq``. About one transaction in ten is
 rolled back on purpose; its messages must never reach a topic. A transaction whose COMMIT was
 interrupted (the database restarted under it) is *uncertain*: it may or may not have
 committed, and the audit looks it up.
+
+Most writers are threads of the run. Writer processes (:mod:`outbox.chaos.writer_process`)
+run the same loop with a journal: each transaction's message ids are written down before it
+commits and confirmed after, so that a writer killed with -9 leaves its last transaction
+uncertain, never unaccounted for.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
 
 from outbox import Message, Outbox
 from outbox.ids import uuid7
@@ -49,20 +59,45 @@ class Tally:
 
 
 class Writer(threading.Thread):
-    """Writes until :meth:`stop`; ``rate`` is messages per second."""
+    """Writes until :meth:`stop`; ``rate`` is messages per second.
+
+    ``name`` tells the writer's keys apart from every other writer's (a restarted writer
+    process takes a new one: what its last life left uncertain says nothing of the order of
+    its next). With ``journal``, each transaction is written down there (see the module).
+    With ``outbox`` given (say one with an immediate sender), transactions go through its
+    ``transaction()`` session; ``hold_open`` is the longest pause, drawn per transaction,
+    between writing the rows and committing them, so that a kill lands inside transactions.
+    """
 
     def __init__(
-        self, index: int, database_url: str, topics: list[str], seed: int, rate: float
+        self,
+        index: int,
+        database_url: str,
+        topics: list[str],
+        seed: int,
+        rate: float,
+        *,
+        name: str | None = None,
+        outbox: Outbox | None = None,
+        journal: TextIO | None = None,
+        hold_open: float = 0.0,
     ) -> None:
         super().__init__(name=f"chaos-writer-{index}", daemon=True)
         self.index = index
         self.topics = topics
         self.rate = rate
-        self.rng = random.Random(f"{seed}/writer/{index}")
-        self.keys = [f"w{index}-k{k}" for k in range(KEYS_PER_WRITER)]
+        self.rng = random.Random(f"{seed}/writer/{name or index}")
+        self.keys = [f"{name or f'w{index}'}-k{k}" for k in range(KEYS_PER_WRITER)]
         self.next_n = dict.fromkeys(self.keys, 0)
-        self.engine = sa.create_engine(database_url, pool_pre_ping=True, pool_size=1)
-        self.outbox = Outbox(self.engine)
+        self.in_session = outbox is not None
+        self.engine = (
+            outbox.engine
+            if outbox is not None
+            else sa.create_engine(database_url, pool_pre_ping=True, pool_size=1)
+        )
+        self.outbox = outbox or Outbox(self.engine)
+        self.journal = journal
+        self.hold_open = hold_open
         self.tally = Tally()
         self._stopping = threading.Event()
         self.failure: BaseException | None = None
@@ -106,26 +141,75 @@ class Writer(threading.Thread):
     def _transaction(self, messages: list[Message], roll_back: bool) -> None:
         ids: list[uuid.UUID] = []
         committing = False
+        insert_business_row = sa.text(
+            f"INSERT INTO {BUSINESS_TABLE} (id, writer, message_ids) VALUES (:id, :writer, :ids)"
+        )
         try:
-            with self.engine.connect() as conn:
-                transaction = conn.begin()
-                ids = [r.message_id for r in self.outbox.publish_many(conn, messages)]
-                conn.execute(
-                    sa.text(
-                        f"INSERT INTO {BUSINESS_TABLE} (id, writer, message_ids) "
-                        "VALUES (:id, :writer, :ids)"
-                    ),
-                    {"id": uuid7(), "writer": self.index, "ids": ids},
-                )
+            with self._begin() as (bind, finish):
+                ids = [r.message_id for r in self.outbox.publish_many(bind, messages)]
+                bind.execute(insert_business_row, {"id": uuid7(), "writer": self.index, "ids": ids})
+                self._write_down("rollback" if roll_back else "commit", ids)
+                if self.hold_open:
+                    time.sleep(self.rng.uniform(0.0, self.hold_open))
                 if roll_back:
                     self.tally.rolled_back.extend(ids)  # never committed, whatever follows
-                    transaction.rollback()
+                    finish(False)
                     return
                 committing = True
-                transaction.commit()
+                finish(True)
             self.tally.committed.extend(ids)
             self.tally.transactions += 1
+            self._write_down("committed", ids)
         except (sa_exc.OperationalError, sa_exc.InterfaceError):
             if committing:
                 self.tally.uncertain.extend(ids)
+                self._write_down("uncertain", ids)
             raise
+
+    @contextmanager
+    def _begin(self) -> Iterator[tuple[Session | sa.Connection, Callable[[bool], None]]]:
+        """A transaction on a Core connection, or in a session of ``outbox`` (whose
+        immediate sender, if any, sends the messages after the commit); yields the bind and
+        ``finish(commit)``."""
+        if self.in_session:
+            with Session(self.engine, expire_on_commit=False) as session:
+                session.begin()
+                yield session, lambda commit: session.commit() if commit else session.rollback()
+            return
+        with self.engine.connect() as conn:
+            transaction = conn.begin()
+            yield conn, lambda commit: transaction.commit() if commit else transaction.rollback()
+
+    def _write_down(self, what: str, ids: list[uuid.UUID]) -> None:
+        if self.journal is not None:
+            self.journal.write(json.dumps({what: [str(i) for i in ids]}) + "\n")
+            self.journal.flush()  # a kill -9 must not take it with the process
+
+
+def read_journal(lines: Iterable[str]) -> Tally:
+    """What a writer process's journal says it did. A transaction written down to commit but
+    not confirmed (the process was killed, or the COMMIT interrupted) is uncertain."""
+    tally = Tally()
+    open_commit: list[uuid.UUID] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            ((what, raw),) = json.loads(line).items()
+        except json.JSONDecodeError:
+            continue  # torn by a kill while written: before its COMMIT, so never committed
+        ids = [uuid.UUID(i) for i in raw]
+        if what == "rollback":
+            tally.rolled_back.extend(ids)
+        elif what == "commit":
+            tally.uncertain.extend(open_commit)  # its process died before confirming it
+            open_commit = ids
+        elif what == "committed":
+            tally.committed.extend(ids)
+            tally.transactions += 1
+            open_commit = []
+        elif what == "uncertain":
+            tally.uncertain.extend(ids)
+            open_commit = []
+    tally.uncertain.extend(open_commit)
+    return tally

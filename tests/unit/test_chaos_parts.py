@@ -4,6 +4,7 @@ side's audit and the verdict."""
 from __future__ import annotations
 
 import itertools
+import json
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -19,10 +20,12 @@ from outbox.chaos.schedule import (
     HOLDS,
     PROFILES,
     PUBLISHING_FAULTS,
+    WRITER_KILL,
     Fault,
     plan,
 )
 from outbox.chaos.verdict import ConsumingFindings, Findings
+from outbox.chaos.writers import read_journal
 from outbox.spark_jobs import discrepancies as d
 
 SHORT = PROFILES["short"]
@@ -46,12 +49,14 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
             assert 0 <= fault.relay < SHORT.relays
         if fault.consumer is not None:
             assert fault.kind in CONSUMING_FAULTS and 0 <= fault.consumer < SHORT.consumers
+        if fault.writer is not None:
+            assert fault.kind == WRITER_KILL and 0 <= fault.writer < SHORT.writer_processes
     beyond_first_round = faults[len(FAULT_KINDS) :]
     assert all(f.heals_at <= SHORT.duration for f in beyond_first_round)
 
 
 def test_without_consumers_no_consumer_fault_is_planned_and_the_seed_plays_as_before() -> None:
-    bare = replace(SHORT, consumers=0)
+    bare = replace(SHORT, consumers=0, writer_processes=0)
     faults = plan(7, bare)
     assert {f.kind for f in faults} <= set(PUBLISHING_FAULTS)
     assert sorted(f.kind for f in faults[: len(PUBLISHING_FAULTS)]) == sorted(PUBLISHING_FAULTS)
@@ -371,3 +376,36 @@ def test_seed_random_is_drawn_printed_and_replayable() -> None:
     ]
     refused = CliRunner().invoke(chaos, ["--plan-only", "--seed", "-3"])
     assert refused.exit_code == 2 and "neither a non-negative number" in refused.output
+
+
+def test_writer_kills_are_planned_only_for_profiles_with_writer_processes() -> None:
+    assert WRITER_KILL in {f.kind for f in plan(3, SHORT)}
+    assert WRITER_KILL not in {f.kind for f in plan(3, replace(SHORT, writer_processes=0))}
+    assert Fault(2.0, WRITER_KILL, 1.5, writer=1).describe() == "writer_kill writer-1 for 1.5s"
+
+
+def _journal_line(what: str, *ids: uuid.UUID) -> str:
+    return json.dumps({what: [str(i) for i in ids]})
+
+
+def test_a_writer_journal_tells_committed_rolled_back_and_uncertain_transactions() -> None:
+    a, b, c, d, e, f = (uuid.uuid4() for _ in range(6))
+    lines = [
+        _journal_line("commit", a, b),
+        _journal_line("committed", a, b),
+        _journal_line("rollback", c),
+        _journal_line("commit", d),  # killed before its outcome: the next life starts
+        _journal_line("commit", e),
+        _journal_line("uncertain", e),  # the COMMIT was interrupted
+        '{"commit": ["' + str(f),  # torn by a kill while written: dropped
+    ]
+    tally = read_journal(lines)
+    assert tally.committed == [a, b] and tally.transactions == 1
+    assert tally.rolled_back == [c]
+    assert sorted(tally.uncertain) == sorted([d, e])
+
+
+def test_a_writer_killed_after_writing_its_last_transaction_down_leaves_it_uncertain() -> None:
+    a = uuid.uuid4()
+    assert read_journal([_journal_line("commit", a)]).uncertain == [a]
+    assert read_journal([_journal_line("rollback", a)]).uncertain == []
