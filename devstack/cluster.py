@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from outbox.devstack.kafka import START_TIMEOUT, KafkaBroker, new_cluster_id
-from outbox.devstack.procs import StackError
+from outbox.devstack.procs import StackError, wait_until
 
 #: Heap per node: three nodes fit the machine beside PostgreSQL, the relays and Spark.
 CLUSTER_HEAP = "-Xmx512m"
@@ -79,9 +79,27 @@ class KafkaCluster:
         try:
             for node in self.nodes:
                 node.wait_ready(max(1.0, deadline - time.monotonic()))
+            # A node answers metadata as soon as it runs, before the others have registered
+            # with the controllers: until every one has, a topic with one replica per node
+            # cannot be created.
+            wait_until(
+                lambda: self._registered() == len(self.nodes),
+                max(1.0, deadline - time.monotonic()),
+                f"all {len(self.nodes)} Kafka nodes to register",
+            )
         except StackError:
             self.stop()
             raise
+
+    def _registered(self) -> int:
+        """How many nodes the cluster's metadata lists as live brokers now."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        try:
+            return len(admin.list_topics(timeout=2).brokers)
+        except Exception:  # not answering yet is not registered
+            return 0
 
     def stop(self) -> None:
         errors = []

@@ -50,8 +50,7 @@ def cluster(local_stack: LocalStack) -> Iterator[KafkaCluster]:
 @pytest.fixture
 def all_nodes_up(cluster: KafkaCluster) -> Iterator[KafkaCluster]:
     yield cluster
-    for node in cluster.nodes:
-        node.start()  # whatever a test left down
+    cluster.start()  # whatever a test left down, until every node has registered again
 
 
 def cluster_topic(cluster: KafkaCluster, prefix: str, partitions: int = 3) -> str:
