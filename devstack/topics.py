@@ -77,3 +77,32 @@ def create_topics(bootstrap: str, names: list[str], partitions: int = 1) -> None
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
+    _wait_known_everywhere(bootstrap, names)
+
+
+def _wait_known_everywhere(bootstrap: str, names: list[str], timeout: float = 30.0) -> None:
+    """Wait until every broker of ``bootstrap`` answers metadata with ``names`` and a leader
+    for each partition: on a cluster, brokers learn of a new topic a moment after it is
+    created, and a client asking one that has not yet would not find it."""
+    from confluent_kafka.admin import AdminClient
+
+    deadline = time.monotonic() + timeout
+    for address in bootstrap.split(","):
+        while True:
+            # A new client's first metadata request goes to its one bootstrap address.
+            admin = AdminClient({"bootstrap.servers": address, "log_level": 0})
+            try:
+                topics = admin.list_topics(timeout=5).topics
+            except KafkaException:
+                topics = {}
+            known = all(
+                name in topics
+                and topics[name].partitions
+                and all(p.leader >= 0 for p in topics[name].partitions.values())
+                for name in names
+            )
+            if known:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topics {names} not known to the broker at {address}")
+            time.sleep(0.2)
