@@ -8,8 +8,6 @@ rebalance interval. TCP keepalives bound how long a silently vanished relay can 
 
 Rebalancing is simple and converges: with ``m`` live members each relay aims at
 ``ceil(shards / m)``; it lets go of shards above that and tries to lock free ones below it.
-A relay that keeps failing its take-overs leaves the members for a while (:meth:`leave`),
-so that the healthy ones take its share instead of the shards waiting for it.
 """
 
 from __future__ import annotations
@@ -51,17 +49,6 @@ class ShardOwnership:
                 "SELECT pg_advisory_lock(%s, %s)", (self._members_key, self.member_number)
             )
             self.joined = True
-
-    def leave(self) -> list[int]:
-        """Unlock every shard and the member lock: the others count this relay out, so their
-        share grows to cover its shards. :meth:`join` makes it a member again."""
-        released = self.release_all()
-        if self.joined:
-            self.conn.execute(
-                "SELECT pg_advisory_unlock(%s, %s)", (self._members_key, self.member_number)
-            )
-            self.joined = False
-        return released
 
     def members(self) -> int:
         row = self.conn.execute(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError
 
 from outbox import Message, Outbox
 from outbox.records import OutboxRecord
@@ -21,7 +21,6 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.relay.policy import RetryPolicy
 from outbox.relay.producers import InFlight
-from outbox.schema import SHARD_COUNT
 from outbox.sending import Ack, BatchResult
 
 pytestmark = pytest.mark.integration
@@ -313,51 +312,3 @@ def test_marks_wait_for_the_disk_flush_only_where_a_forgotten_mark_would_duplica
             marking = conn.execute(sa.text("SHOW synchronous_commit")).scalar_one()
     assert row == (setting,)
     assert marking == "on"
-
-
-class FailingTakeOvers(StubPublisher):
-    """A relay whose shard take-overs always time out (its path to Kafka is broken)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failures = 0
-
-    def take_over(self, shards: Sequence[int]) -> list[Ack]:
-        self.failures += 1
-        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "stub: no answer"))
-
-
-def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_sends_all(  # type: ignore[no-untyped-def]
-    engine, outbox_url, monkeypatch
-) -> None:
-    """Without stepping aside, the failing relay keeps its share of the shards (it locks them
-    again at each rebalance) and their messages wait for it for good."""
-    from outbox.relay import daemon
-
-    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 1.5)
-    healthy_stub, failing_stub = StubPublisher(), FailingTakeOvers()
-    healthy = Relay(config(outbox_url), publisher=healthy_stub)
-    failing = Relay(config(outbox_url), publisher=failing_stub)
-    with looping(healthy), looping(failing):
-        wait_for(lambda: failing.health.stepped_aside)
-        assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
-        publish(engine, 400, keys=100)  # every shard gets some
-        wait_for(lambda: statuses(engine) == {"sent": 400})
-        assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
-        assert healthy._ownership is not None and len(healthy._ownership.owned) == SHARD_COUNT
-        assert not failing.health.ready and "stepped aside" in failing.health.not_ready_because()
-        # Back after its pause, it fails again and stays out twice as long.
-        wait_for(lambda: failing._step_asides == 2, 20)
-        assert failing_stub.failures == 2 * daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
-        # Its return made the healthy relay give it a share for a moment; it takes it back.
-        wait_for(lambda: len(healthy._ownership.owned) == SHARD_COUNT, 5)  # type: ignore[union-attr]
-        publish(engine, 100, keys=100)
-        wait_for(lambda: statuses(engine) == {"sent": 500})
-
-
-def test_the_last_relay_never_steps_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
-    failing_stub = FailingTakeOvers()
-    failing = Relay(config(outbox_url), publisher=failing_stub)
-    with looping(failing):
-        wait_for(lambda: failing_stub.failures >= 4, 30)
-        assert not failing.health.stepped_aside and failing._step_asides == 0
