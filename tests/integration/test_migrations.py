@@ -254,7 +254,7 @@ def test_downgrade_past_0004_refuses_messages_without_a_verdict(database_url: st
             )
         with pytest.raises(Exception, match="left dead without a verdict"):
             migrate.downgrade(database_url, revision="0003_wake_trigger")
-        assert migrate_current(engine) == "0005_wake_before_insert"  # nothing came down
+        assert migrate_current(engine) == "0006_wake_lock_in_condition"  # nothing came down
     finally:
         engine.dispose()
 
@@ -267,12 +267,15 @@ def wake_trigger_timing(engine: sa.Engine) -> str:
     return "BEFORE" if tgtype & 2 else "AFTER"  # TRIGGER_TYPE_BEFORE
 
 
-@pytest.mark.parametrize("revision", ["0004_prepared_messages", "0005_wake_before_insert"])
+@pytest.mark.parametrize(
+    "revision",
+    ["0004_prepared_messages", "0005_wake_before_insert", "0006_wake_lock_in_condition"],
+)
 def test_writers_notify_only_while_the_wake_lock_is_held_with_each_trigger(
     database_url: str, revision: str
 ) -> None:
     migrate.upgrade(database_url)
-    if revision != "0005_wake_before_insert":
+    if revision != "0006_wake_lock_in_condition":
         migrate.downgrade(database_url, revision=revision)
     engine = sa.create_engine(database_url)
     spec = OutboxTableSpec()
@@ -280,7 +283,7 @@ def test_writers_notify_only_while_the_wake_lock_is_held_with_each_trigger(
         "INSERT INTO outbox (id, shard, topic, value) VALUES (gen_random_uuid(), 0, 't', 'v')"
     )
     try:
-        assert wake_trigger_timing(engine) == ("BEFORE" if revision.startswith("0005") else "AFTER")
+        assert wake_trigger_timing(engine) == ("AFTER" if revision.startswith("0004") else "BEFORE")
         with engine.connect() as relay:
             relay.execute(sa.text(f'LISTEN "{spec.notify_channel}"'))
             relay.commit()
@@ -288,6 +291,14 @@ def test_writers_notify_only_while_the_wake_lock_is_held_with_each_trigger(
             assert raw is not None
             with engine.begin() as writer:  # no relay asleep
                 writer.execute(insert)
+                # The writer holds the wake lock shared until it commits: no relay can fall
+                # asleep (take it exclusively) while a commit that did not notify is pending.
+                taken = relay.execute(
+                    sa.text("SELECT pg_try_advisory_lock(:a, :b)"),
+                    dict(zip("ab", spec.wake_lock, strict=True)),
+                ).scalar_one()
+                relay.commit()
+                assert taken is False
             assert list(raw.notifies(timeout=0.3)) == []
             relay.execute(
                 sa.text("SELECT pg_advisory_lock(:a, :b)"),
