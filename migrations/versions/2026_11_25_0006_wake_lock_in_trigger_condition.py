@@ -26,48 +26,32 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade() -> None:
+def _replace(body: str, condition: str) -> None:
+    """Replace the wake function's body and the trigger (fired before each insert statement,
+    with ``condition`` as its WHEN clause, or none) in the migration's one transaction."""
     spec = current_spec()
     table = f'"{spec.schema}"."{spec.table}"'
     function = f'"{spec.schema}"."{spec.wake_function}"'
     space, number = spec.wake_lock
+    notify = f"pg_catalog.pg_notify('{spec.notify_channel}', '')"
+    lock = f"pg_catalog.pg_try_advisory_xact_lock_shared({space}, {number})"
     op.execute(f'DROP TRIGGER IF EXISTS "{spec.wake_function}" ON {table}')
     op.execute(
-        f"""
-        CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $wake$
-        BEGIN
-            PERFORM pg_catalog.pg_notify('{spec.notify_channel}', '');
-            RETURN NULL;
-        END
-        $wake$
-        """
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $wake$\n"
+        f"BEGIN\n{body.format(notify=notify, lock=lock)}\nRETURN NULL;\nEND\n$wake$"
     )
+    when = f"WHEN ({condition.format(lock=lock)}) " if condition else ""
     op.execute(
         f'CREATE TRIGGER "{spec.wake_function}" BEFORE INSERT ON {table} FOR EACH STATEMENT '
-        f"WHEN (NOT pg_catalog.pg_try_advisory_xact_lock_shared({space}, {number})) "
-        f"EXECUTE FUNCTION {function}()"
+        f"{when}EXECUTE FUNCTION {function}()"
     )
+
+
+def upgrade() -> None:
+    # The lock in the WHEN condition; the function, only the NOTIFY, runs when it is refused.
+    _replace("PERFORM {notify};", "NOT {lock}")
 
 
 def downgrade() -> None:
-    spec = current_spec()
-    table = f'"{spec.schema}"."{spec.table}"'
-    function = f'"{spec.schema}"."{spec.wake_function}"'
-    space, number = spec.wake_lock
-    op.execute(f'DROP TRIGGER IF EXISTS "{spec.wake_function}" ON {table}')
-    op.execute(
-        f"""
-        CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $wake$
-        BEGIN
-            IF NOT pg_catalog.pg_try_advisory_xact_lock_shared({space}, {number}) THEN
-                PERFORM pg_catalog.pg_notify('{spec.notify_channel}', '');
-            END IF;
-            RETURN NULL;
-        END
-        $wake$
-        """
-    )
-    op.execute(
-        f'CREATE TRIGGER "{spec.wake_function}" BEFORE INSERT ON {table} '
-        f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
-    )
+    # Revision 0005: the function takes the lock and notifies when it is refused.
+    _replace("IF NOT {lock} THEN\n    PERFORM {notify};\nEND IF;", "")
