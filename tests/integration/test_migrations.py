@@ -235,6 +235,33 @@ def test_revision_0004_holds_the_exclusive_lock_only_for_its_short_alter(
     assert commit < part.index("CREATE INDEX CONCURRENTLY")
 
 
+@pytest.mark.parametrize("direction", ["upgrade", "downgrade"])
+def test_revision_0006_waits_a_bounded_time_for_an_open_transaction(
+    database_url: str, direction: str
+) -> None:
+    before, after = "0005_wake_before_insert", "0006_wake_lock_in_condition"
+    migrate.upgrade(database_url, revision=before if direction == "upgrade" else after)
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.connect() as writer:  # inserted, and left open
+            writer.execute(
+                sa.text(
+                    "INSERT INTO outbox (id, shard, topic, value) "
+                    "VALUES (gen_random_uuid(), 0, 't', 'v')"
+                )
+            )
+            with pytest.raises(Exception, match="stayed locked by another transaction") as failed:
+                if direction == "upgrade":
+                    migrate.upgrade(database_url)
+                else:
+                    migrate.downgrade(database_url, revision=before)
+            writer.rollback()
+        assert "nothing was changed" in str(failed.value)
+        assert migrate_current(engine) == (before if direction == "upgrade" else after)
+    finally:
+        engine.dispose()
+
+
 def migrate_current(engine: sa.Engine) -> str:
     with engine.connect() as conn:
         return str(conn.execute(sa.text("SELECT version_num FROM outbox_alembic_version")).scalar())
