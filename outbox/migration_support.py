@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 import sqlalchemy as sa
-from alembic import context
+from alembic import context, op
 from alembic.config import Config
 
 from outbox.errors import ConfigError
@@ -30,6 +30,10 @@ URL_ATTRIBUTE = "database_url"
 
 #: The outbox revisions as an Alembic package resource, for a service's ``version_locations``.
 VERSIONS_RESOURCE = "outbox.migrations:versions"
+
+#: Longest wait of a revision for the outbox table's exclusive lock; every reader and writer
+#: of the table queues behind that wait.
+LOCK_TIMEOUT = "5s"
 
 
 def migrations_dir() -> Path:
@@ -87,3 +91,27 @@ def alembic_config(database_url: str, spec: OutboxTableSpec | None = None) -> Co
     config.attributes[URL_ATTRIBUTE] = database_url
     config.attributes[SPEC_ATTRIBUTE] = spec or OutboxTableSpec()
     return config
+
+
+def lock_outbox_table(spec: OutboxTableSpec) -> None:
+    """Take the outbox table's exclusive lock for the rest of the revision's transaction,
+    waiting at most :data:`LOCK_TIMEOUT`; then fail with nothing changed.
+
+    Dropping or creating a trigger or rule needs that lock. Asked for without a limit, a
+    transaction left open on the table would queue every reader and writer behind the
+    migration for as long as it stays open."""
+    table = f'"{spec.schema}"."{spec.table}"'
+    op.execute(
+        f"""
+        DO $lock$
+        BEGIN
+            SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
+            LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE EXCEPTION '{spec.qualified_name} stayed locked by another transaction for '
+                '{LOCK_TIMEOUT}: nothing was changed; run the migration again when no long '
+                'transaction holds the table (see pg_stat_activity)';
+        END
+        $lock$
+        """
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from alembic import op
 
-from outbox.migration_support import current_spec
+from outbox.migration_support import current_spec, lock_outbox_table
 
 revision = "0003_wake_trigger"
 down_revision = "0002_generation_retry_idx"
@@ -29,6 +29,7 @@ def upgrade() -> None:
     table = f'"{spec.schema}"."{spec.table}"'
     function = f'"{spec.schema}"."{spec.wake_function}"'
     space, number = spec.wake_lock
+    lock_outbox_table(spec)  # waits a bounded time, or fails with nothing changed
     op.execute(f'DROP RULE IF EXISTS "{spec.notify_rule}" ON {table}')
     # Names are schema-qualified so that the caller's search_path cannot redirect them.
     op.execute(
@@ -53,6 +54,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     spec = current_spec()
     table = f'"{spec.schema}"."{spec.table}"'
+    lock_outbox_table(spec)
     op.execute(f'DROP TRIGGER IF EXISTS "{spec.wake_function}" ON {table}')
     op.execute(f'DROP FUNCTION IF EXISTS "{spec.schema}"."{spec.wake_function}"()')
     op.execute(

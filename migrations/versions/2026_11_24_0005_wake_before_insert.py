@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from alembic import op
 
-from outbox.migration_support import current_spec
+from outbox.migration_support import current_spec, lock_outbox_table
 
 revision = "0005_wake_before_insert"
 down_revision = "0004_prepared_messages"
@@ -28,6 +28,7 @@ def _recreate(when: str) -> None:
     spec = current_spec()
     table = f'"{spec.schema}"."{spec.table}"'
     function = f'"{spec.schema}"."{spec.wake_function}"'
+    lock_outbox_table(spec)  # waits a bounded time, or fails with nothing changed
     op.execute(f'DROP TRIGGER IF EXISTS "{spec.wake_function}" ON {table}')
     op.execute(
         f'CREATE TRIGGER "{spec.wake_function}" {when} INSERT ON {table} '

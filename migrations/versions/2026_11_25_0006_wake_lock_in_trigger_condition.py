@@ -9,8 +9,8 @@ that is when a relay sleeps. The handshake of revision 0003 is unchanged (docs/r
 "Waking the relay"): the lock is still taken before the statement's rows and kept to commit.
 The function and the trigger are replaced in one transaction: no moment without a wake-up.
 Replacing the trigger needs the table's exclusive lock: the migration waits at most
-LOCK_TIMEOUT for it (a transaction left open on the table would otherwise queue every
-reader and writer behind the migration) and fails with nothing changed.
+outbox.migration_support.LOCK_TIMEOUT for it (a transaction left open on the table would
+otherwise queue every reader and writer behind the migration) and fails with nothing changed.
 
 Revision ID: 0006_wake_lock_in_condition
 Revises: 0005_wake_before_insert
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from alembic import op
 
-from outbox.migration_support import current_spec
+from outbox.migration_support import current_spec, lock_outbox_table
 
 revision = "0006_wake_lock_in_condition"
 down_revision = "0005_wake_before_insert"
 branch_labels = None
 depends_on = None
-
-#: Longest wait for the table's exclusive lock; readers and writers queue behind the wait.
-LOCK_TIMEOUT = "5s"
 
 
 def _replace(body: str, condition: str) -> None:
@@ -41,20 +38,7 @@ def _replace(body: str, condition: str) -> None:
     space, number = spec.wake_lock
     notify = f"pg_catalog.pg_notify('{spec.notify_channel}', '')"
     lock = f"pg_catalog.pg_try_advisory_xact_lock_shared({space}, {number})"
-    op.execute(
-        f"""
-        DO $lock$
-        BEGIN
-            SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
-            LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
-        EXCEPTION WHEN lock_not_available THEN
-            RAISE EXCEPTION '{spec.qualified_name} stayed locked by another transaction for '
-                '{LOCK_TIMEOUT}: nothing was changed; run the migration again when no long '
-                'transaction holds the table (see pg_stat_activity)';
-        END
-        $lock$
-        """
-    )
+    lock_outbox_table(spec)
     op.execute(f'DROP TRIGGER IF EXISTS "{spec.wake_function}" ON {table}')
     op.execute(
         f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $wake$\n"

@@ -236,10 +236,17 @@ def test_revision_0004_holds_the_exclusive_lock_only_for_its_short_alter(
 
 
 @pytest.mark.parametrize("direction", ["upgrade", "downgrade"])
-def test_revision_0006_waits_a_bounded_time_for_an_open_transaction(
-    database_url: str, direction: str
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("0002_generation_retry_idx", "0003_wake_trigger"),
+        ("0004_prepared_messages", "0005_wake_before_insert"),
+        ("0005_wake_before_insert", "0006_wake_lock_in_condition"),
+    ],
+)
+def test_a_wake_revision_waits_a_bounded_time_for_an_open_transaction(
+    database_url: str, direction: str, before: str, after: str
 ) -> None:
-    before, after = "0005_wake_before_insert", "0006_wake_lock_in_condition"
     migrate.upgrade(database_url, revision=before if direction == "upgrade" else after)
     engine = sa.create_engine(database_url)
     try:
@@ -252,7 +259,7 @@ def test_revision_0006_waits_a_bounded_time_for_an_open_transaction(
             )
             with pytest.raises(Exception, match="stayed locked by another transaction") as failed:
                 if direction == "upgrade":
-                    migrate.upgrade(database_url)
+                    migrate.upgrade(database_url, revision=after)
                 else:
                     migrate.downgrade(database_url, revision=before)
             writer.rollback()
