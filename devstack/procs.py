@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
 import signal
 import socket
 import subprocess
@@ -16,11 +17,41 @@ class StackError(RuntimeError):
     """A local stack server could not be prepared, started or stopped."""
 
 
+#: Where :func:`free_port` looks first: below the usual start of the kernel's ephemeral range.
+LISTEN_PORTS = range(20_000, 32_768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server about to start.
+
+    Chosen outside the kernel's ephemeral range when it can be: a port from that range may be
+    taken, before the server binds it, as the local port of any outgoing connection (a
+    client's, a proxy's), and the server then fails with "address already in use". A port is
+    not handed out twice by one process."""
+    low, _high = _ephemeral_range()
+    candidates = [port for port in LISTEN_PORTS if port < low and port not in _handed_out]
+    for port in random.sample(candidates, min(len(candidates), 50)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+    _handed_out.add(port)
+    return port
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.devstack import maven
+from outbox.devstack import maven, procs
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.postgres import data_root_for
 from outbox.devstack.procs import free_port, pid_alive
@@ -139,3 +139,13 @@ def test_a_stack_refuses_to_change_its_broker_count_while_recorded(tmp_path: Pat
     with pytest.raises(StackError, match="runs 1 Kafka node"):
         LocalStack(run, brokers=3)
     assert LocalStack(run).brokers == 1
+
+
+def test_free_ports_lie_outside_the_ephemeral_range_and_are_not_handed_out_twice() -> None:
+    low, _ = procs._ephemeral_range()
+    ports = [procs.free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < low for port in ports)  # no outgoing connection can take them first
+    for port in ports[:5]:  # and each can be listened on
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
