@@ -88,6 +88,11 @@ SEED = _Seed()
     "the profile's, 2; with immediate send in at-least-once runs); 0 leaves them out.",
 )
 @click.option(
+    "--database-faults/--no-database-faults",
+    default=True,
+    help="Latency, resets and stalls on the relays' connections to PostgreSQL (default: on).",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -104,6 +109,7 @@ def chaos(
     rate: float | None,
     consumers: int | None,
     writer_processes: int | None,
+    database_faults: bool,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
@@ -115,7 +121,8 @@ def chaos(
     immediately), three relays, and consumers applying every message to a second service's
     database through the inbox, and plays a fault schedule drawn from --seed: relay, consumer
     and writer kill -9, relay and consumer SIGTERM, broker stop/start, PostgreSQL restart, and
-    latency, dropped and stalled connections to the broker. Then it drains, runs the
+    latency, dropped and stalled connections to the broker and from the relays to PostgreSQL.
+    Then it drains, runs the
     reconciliation job, reads the topics back and checks that every committed message was
     applied once, in key order. The last line is the result as JSON. Exit 0: every guarantee
     held; 1: a violation; 2: the run could not be carried out.
@@ -128,6 +135,7 @@ def chaos(
         chosen = replace(chosen, consumers=consumers)
     if writer_processes is not None:
         chosen = replace(chosen, writer_processes=writer_processes)
+    chosen = replace(chosen, database_path_faults=database_faults)
     if plan_only:
         for fault in plan(seed, chosen, duration):
             click.echo(json.dumps(fault.to_json()))
@@ -188,6 +196,13 @@ def _print_report(body: dict[str, object]) -> None:
             f"applied: missing {consuming['missing']}, twice {consuming['applied_twice']}, "
             f"never committed {consuming['not_committed']}, order violations "
             f"{consuming['order_violations']}",
+        ]
+    handover = body.get("handover")
+    if isinstance(handover, dict):
+        lines += [
+            f"shards ownerless   after {kind}: {f['gaps']} gaps, p50 {f['p50_s']} s, "
+            f"longest {f['max_s']} s, never closed {f['never_closed']}"
+            for kind, f in handover.items()
         ]
     lines += [f"VIOLATION: {v}" for v in body["violations"]]  # type: ignore[attr-defined]
     lines.append(f"verdict            {body['verdict']}")

@@ -32,11 +32,15 @@ from outbox import migrate
 from outbox.chaos import applied, audit
 from outbox.chaos.consumers import ConsumerFleet, wait_caught_up
 from outbox.chaos.fleet import ProcessFleet
+from outbox.chaos.handover import ShardWatch, by_fault
 from outbox.chaos.relays import RelayFleet
 from outbox.chaos.schedule import (
     BROKER_RESTART,
     CONSUMER_KILL,
     CONSUMER_TERM,
+    DB_DROP,
+    DB_LATENCY,
+    DB_STALL,
     NET_DROP,
     NET_LATENCY,
     NET_STALL,
@@ -49,7 +53,7 @@ from outbox.chaos.schedule import (
     plan,
 )
 from outbox.chaos.service import prepare_database
-from outbox.chaos.stack import ChaosStack
+from outbox.chaos.stack import DATABASE, ChaosStack
 from outbox.chaos.verdict import ConsumingFindings, Findings
 from outbox.chaos.writer_fleet import WriterFleet
 from outbox.chaos.writers import CREATE_BUSINESS_TABLE, PARTITIONS, TOPICS, Tally, Writer
@@ -149,6 +153,7 @@ class ChaosRun:
         self.writers: list[Writer] = []
         self.writer_fleet: WriterFleet | None = None
         self.writer_fleet_stopped = False
+        self.shard_watch: ShardWatch | None = None
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -199,7 +204,7 @@ class ChaosRun:
         create_topics(self.stack.direct_bootstrap, list(TOPICS), PARTITIONS)
         self.fleet = RelayFleet(
             self.profile.relays,
-            info.database_url,
+            self.stack.relay_database_url,
             self.stack.proxied_bootstrap,
             s.mode,
             s.output,
@@ -215,6 +220,8 @@ class ChaosRun:
         self.log.event("servers up; relays, consumers and writers starting")
         for fleet in self._fleets():
             fleet.start_all()
+        self.shard_watch = ShardWatch(self.stack.postgres.conninfo(DATABASE), self.log.elapsed)
+        self.shard_watch.start()
         per_writer = self.rate / (self.profile.writers + self.profile.writer_processes)
         self.writers = [
             Writer(i, info.database_url, list(TOPICS), s.seed, per_writer)
@@ -315,6 +322,15 @@ class ChaosRun:
             stack.proxy.drop()
         elif fault.kind == NET_STALL:
             stack.proxy.stall()
+        elif fault.kind in (DB_LATENCY, DB_DROP, DB_STALL):
+            database = stack.database_proxy
+            assert database is not None
+            if fault.kind == DB_LATENCY:
+                database.set_latency(fault.latency_ms or 0)
+            elif fault.kind == DB_DROP:
+                database.drop()
+            else:
+                database.stall()
         self._wait_until(self.log.elapsed() + fault.hold)
         # Heal.
         if target is not None:
@@ -327,6 +343,10 @@ class ChaosRun:
         elif fault.kind == POSTGRES_RESTART:
             stack.postgres.start()
             what = "PostgreSQL up again"
+        elif fault.kind in (DB_LATENCY, DB_DROP, DB_STALL):
+            assert stack.database_proxy is not None
+            stack.database_proxy.heal()
+            what = "relays' database path healed"
         else:
             stack.proxy.heal()
             what = "network healed"
@@ -348,6 +368,8 @@ class ChaosRun:
         finally:
             engine.dispose()
         self._wait_until(self.log.elapsed())  # a last look for relays that died meanwhile
+        if self.shard_watch is not None:
+            self.shard_watch.stop()  # before the relays let their shards go on purpose
         codes = self.fleet.stop_all()
         self.log.event(f"relays stopped with SIGTERM, exit codes {codes}")
 
@@ -412,6 +434,10 @@ class ChaosRun:
             "uncertain_committed": len(uncertain_present),
             "relay_term_exit_codes": self.fleet.term_exits if self.fleet else [],
             "writer_processes": self.writer_fleet.figures() if self.writer_fleet else {},
+            # Seconds until every shard had an owner again, by the fault that opened the gap.
+            "handover": by_fault(self.shard_watch.gaps, self.log.faults)
+            if self.shard_watch
+            else {},
             "output": str(self.settings.output),
         }
         if consuming_extra:
@@ -468,6 +494,8 @@ class ChaosRun:
         return findings, figures
 
     def _tear_down(self) -> None:
+        if self.shard_watch is not None:
+            self.shard_watch.stop()
         for writer in self.writers:
             writer.stop()
         if self.writer_fleet is not None:

@@ -22,6 +22,10 @@ NET_STALL = "net_stall"  # connections stay open but no byte moves for the hold
 CONSUMER_KILL = "consumer_kill"  # kill -9 one inbox consumer, restart it after the hold
 CONSUMER_TERM = "consumer_term"  # SIGTERM one inbox consumer (it drains), restart it
 WRITER_KILL = "writer_kill"  # kill -9 one writer process (often mid-transaction), restart it
+# The database faults hit every connection of the relays to PostgreSQL (and no one else's).
+DB_LATENCY = "db_latency"  # traffic delayed by ``latency_ms`` per chunk
+DB_DROP = "db_drop"  # every connection reset (a commit in flight may or may not land)
+DB_STALL = "db_stall"  # connections stay open but no byte moves for the hold
 
 #: Faults of the publishing side, played in every run.
 PUBLISHING_FAULTS = (
@@ -37,7 +41,9 @@ PUBLISHING_FAULTS = (
 CONSUMING_FAULTS = (CONSUMER_KILL, CONSUMER_TERM)
 #: Faults of the writer processes, played when the run has some.
 WRITING_FAULTS = (WRITER_KILL,)
-FAULT_KINDS = PUBLISHING_FAULTS + CONSUMING_FAULTS + WRITING_FAULTS
+#: Faults of the relays' path to PostgreSQL, played when the profile asks for them.
+DATABASE_PATH_FAULTS = (DB_LATENCY, DB_DROP, DB_STALL)
+FAULT_KINDS = PUBLISHING_FAULTS + CONSUMING_FAULTS + WRITING_FAULTS + DATABASE_PATH_FAULTS
 
 #: How long each kind of fault lasts, in seconds: (shortest, longest).
 HOLDS: dict[str, tuple[float, float]] = {
@@ -51,6 +57,9 @@ HOLDS: dict[str, tuple[float, float]] = {
     CONSUMER_KILL: (0.0, 4.0),
     CONSUMER_TERM: (0.0, 4.0),
     WRITER_KILL: (0.0, 4.0),
+    DB_LATENCY: (4.0, 12.0),
+    DB_DROP: (1.0, 5.0),
+    DB_STALL: (3.0, 15.0),
 }
 
 
@@ -69,11 +78,14 @@ class Profile:
     #: Writers that are processes of their own (killed with -9 by ``writer_kill``), beside
     #: the ``writers`` threads; at-least-once runs give them immediate send.
     writer_processes: int = 0
+    #: Whether latency, resets and stalls hit the relays' connections to PostgreSQL.
+    database_path_faults: bool = True
 
     @property
     def fault_kinds(self) -> tuple[str, ...]:
         kinds = PUBLISHING_FAULTS + (CONSUMING_FAULTS if self.consumers else ())
-        return kinds + (WRITING_FAULTS if self.writer_processes else ())
+        kinds += WRITING_FAULTS if self.writer_processes else ()
+        return kinds + (DATABASE_PATH_FAULTS if self.database_path_faults else ())
 
 
 PROFILES = {
@@ -126,8 +138,9 @@ def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fau
     """The faults of one run: one of each kind first, then random kinds until ``duration``
     (the profile's by default). Same ``seed`` and profile, same list.
 
-    Without consumers and writer processes the kinds are the publishing side's only, so such
-    a profile plays the schedule a seed gave before those stages existed."""
+    Without consumers, writer processes and database-path faults the kinds are the
+    publishing side's only, so such a profile plays the schedule a seed gave before those
+    existed."""
     rng = random.Random(seed)
     end = profile.duration if duration is None else duration
     kinds = profile.fault_kinds
@@ -162,4 +175,6 @@ def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
         return Fault(at, kind, hold, how=rng.choice(("fast", "immediate")))
     if kind == NET_LATENCY:
         return Fault(at, kind, hold, latency_ms=rng.randrange(50, 800, 10))
+    if kind == DB_LATENCY:
+        return Fault(at, kind, hold, latency_ms=rng.randrange(5, 300, 5))
     return Fault(at, kind, hold)

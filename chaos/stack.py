@@ -1,16 +1,20 @@
 """The chaos run's own servers: PostgreSQL, a Kafka broker with a second listener that the
-relays and the consumers reach through the fault proxy, and the proxy itself.
+relays and the consumers reach through the fault proxy, the proxy itself, and a second proxy
+in front of PostgreSQL that only the relays connect through.
 
 The broker advertises the proxy's port on that listener, so every connection a relay's or a
 consumer's Kafka client makes (bootstrap, partition leaders and the group coordinator alike)
 goes through the proxy. The harness itself (topic set-up, the audit) uses the broker's plain
 listener, untouched by network faults. The consuming service's database lives on the same
-PostgreSQL cluster, so a database restart hits both services.
+PostgreSQL cluster, so a database restart hits both services; the database proxy's faults hit
+the relays' path alone (the writers, the consumers and the audit connect directly).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import sqlalchemy as sa
 
 from outbox.chaos.proxy import FaultProxy
 from outbox.devstack.kafka import KafkaBroker
@@ -51,6 +55,8 @@ class ChaosStack:
         self.external_port = free_port()
         self.proxy = FaultProxy(free_port(), self.external_port)
         route_through_proxy(self.local.kafka, self.proxy)
+        #: In front of PostgreSQL for the relays; made in :meth:`up`, once its port is known.
+        self.database_proxy: FaultProxy | None = None
         self.info: StackInfo | None = None
 
     @property
@@ -80,6 +86,13 @@ class ChaosStack:
         assert self.info is not None, "the stack is not up"
         return self.info.database_url
 
+    @property
+    def relay_database_url(self) -> str:
+        """The outbox database reached through the database proxy: the relays' way in."""
+        assert self.database_proxy is not None, "the stack is not up"
+        url = sa.make_url(self.database_url).set(port=self.database_proxy.listen_port)
+        return url.render_as_string(hide_password=False)
+
     def service_database_url(self) -> str:
         """The consuming service's database, created when missing."""
         self.local.ensure_database(SERVICE_DATABASE)
@@ -88,10 +101,14 @@ class ChaosStack:
     def up(self) -> StackInfo:
         self.proxy.start()
         self.info = self.local.up(database=DATABASE)
+        self.database_proxy = FaultProxy(free_port(), self.postgres.port)
+        self.database_proxy.start()
         return self.info
 
     def down(self, keep_files: bool = False) -> None:
         self.proxy.close()
+        if self.database_proxy is not None:
+            self.database_proxy.close()
         if not keep_files:
             self.local.down()  # stops both servers and removes their folders
             return

@@ -75,6 +75,13 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
     else:
         assert writers["sent_immediately"] == 0
 
+    # The relays' path to PostgreSQL was delayed, reset and stalled (the verdict above held
+    # through it), and every stretch of ownerless shards, whatever opened it, closed again.
+    assert {"db_latency", "db_drop", "db_stall"} <= set(result["faults_by_kind"])
+    handover = result["handover"]
+    assert handover, "a relay kill leaves its shards ownerless until another relay takes them"
+    assert all(figures["never_closed"] == 0 for figures in handover.values()), handover
+
     # The seed's schedule was played in full, every kind of fault, each logged with its time.
     assert set(result["faults_by_kind"]) == set(FAULT_KINDS)
     events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]

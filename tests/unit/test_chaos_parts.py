@@ -14,6 +14,7 @@ import pytest
 from outbox.chaos.applied import Application, audit_applied
 from outbox.chaos.audit import RowFacts, TopicRecord, order_violations, partition_ends
 from outbox.chaos.consumers import counters
+from outbox.chaos.handover import Gap, ShardWatch, by_fault
 from outbox.chaos.schedule import (
     CONSUMING_FAULTS,
     FAULT_KINDS,
@@ -26,6 +27,7 @@ from outbox.chaos.schedule import (
 )
 from outbox.chaos.verdict import ConsumingFindings, Findings
 from outbox.chaos.writers import read_journal
+from outbox.schema import SHARD_COUNT
 from outbox.spark_jobs import discrepancies as d
 
 SHORT = PROFILES["short"]
@@ -56,7 +58,7 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
 
 
 def test_without_consumers_no_consumer_fault_is_planned_and_the_seed_plays_as_before() -> None:
-    bare = replace(SHORT, consumers=0, writer_processes=0)
+    bare = replace(SHORT, consumers=0, writer_processes=0, database_path_faults=False)
     faults = plan(7, bare)
     assert {f.kind for f in faults} <= set(PUBLISHING_FAULTS)
     assert sorted(f.kind for f in faults[: len(PUBLISHING_FAULTS)]) == sorted(PUBLISHING_FAULTS)
@@ -409,3 +411,20 @@ def test_a_writer_killed_after_writing_its_last_transaction_down_leaves_it_uncer
     a = uuid.uuid4()
     assert read_journal([_journal_line("commit", a)]).uncertain == [a]
     assert read_journal([_journal_line("rollback", a)]).uncertain == []
+
+
+def test_ownership_gaps_are_timed_and_put_down_to_the_last_fault_before_them() -> None:
+    clock = iter([1.0, 1.1, 2.5, 2.6, 10.0, 10.4, 11.0, 20.0, 30.0])
+    watch = ShardWatch("", lambda: next(clock))
+    for owned in (SHARD_COUNT, SHARD_COUNT - 11, SHARD_COUNT, SHARD_COUNT):  # 1.0 .. 2.6
+        watch._saw(owned)
+    for owned in (0, 5, SHARD_COUNT, SHARD_COUNT - 1):  # a restart, 10.0 .. 20.0
+        watch._saw(owned)
+    gaps = watch.stop()
+    assert [(g.opened, g.closed) for g in gaps] == [(1.1, 2.5), (10.0, 11.0), (20.0, None)]
+    faults = [{"t": 0.9, "kind": "relay_kill"}, {"t": 9.5, "kind": "postgres_restart"}]
+    assert by_fault(gaps, faults) == {
+        "relay_kill": {"gaps": 1, "p50_s": 1.4, "max_s": 1.4, "never_closed": 0},
+        "postgres_restart": {"gaps": 2, "p50_s": 1.0, "max_s": 1.0, "never_closed": 1},
+    }
+    assert by_fault([Gap(0.5, 0.7)], faults)["start"]["gaps"] == 1

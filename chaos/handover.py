@@ -1,0 +1,123 @@
+"""How long shards go without an owner: the relays' handover, watched from outside.
+
+A thread looks at ``pg_locks`` every ``interval`` seconds on a connection of its own (straight
+to PostgreSQL, past the fault proxy) and counts the shard locks held. Each stretch with fewer
+than every shard owned is a *gap*; after the run each gap is put down to the fault that was
+last injected when it opened, so a relay killed with -9 gives the time until the survivors
+own its shards, and its restart the time until the shards the others let go are taken.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
+
+#: Seconds between two looks at the locks.
+INTERVAL = 0.1
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Run time (s) at which fewer than every shard was owned, and when all were again."""
+
+    opened: float
+    closed: float | None  # None: still open when the watch stopped
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.closed is None else self.closed - self.opened
+
+
+class ShardWatch:
+    """Records the gaps in shard ownership while it runs; ``clock`` gives the run's time."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        clock: Callable[[], float],
+        spec: OutboxTableSpec | None = None,
+        interval: float = INTERVAL,
+    ) -> None:
+        self.conninfo = conninfo
+        self.clock = clock
+        self.shard_space = (spec or OutboxTableSpec()).lock_space("shard")
+        self.interval = interval
+        self.gaps: list[Gap] = []
+        self._opened: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shard-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[Gap]:
+        self._stop.set()
+        if self._thread.ident is not None:  # started
+            self._thread.join(10)
+        if self._opened is not None:
+            self.gaps.append(Gap(self._opened, None))
+            self._opened = None
+        return self.gaps
+
+    def _watch(self) -> None:
+        conn: psycopg.Connection | None = None
+        while not self._stop.wait(self.interval):
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=2)
+                owned = self._owned(conn)
+            except psycopg.Error:
+                # PostgreSQL is down (a restart fault): every lock went with it. The gap is
+                # seen, and timed, once it answers again.
+                if conn is not None:
+                    conn.close()
+                conn = None
+                continue
+            self._saw(owned)
+        if conn is not None:
+            conn.close()
+
+    def _owned(self, conn: psycopg.Connection) -> int:
+        row = conn.execute(
+            "SELECT count(DISTINCT objid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND objsubid = 2 AND classid = %s::bigint::oid"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (self.shard_space,),
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def _saw(self, owned: int) -> None:
+        now = self.clock()
+        if owned < SHARD_COUNT and self._opened is None:
+            self._opened = now
+        elif owned >= SHARD_COUNT and self._opened is not None:
+            self.gaps.append(Gap(self._opened, now))
+            self._opened = None
+
+
+def by_fault(gaps: list[Gap], faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per fault kind: how many gaps opened while it was the last fault injected, their p50
+    and longest, and how many never closed. ``faults`` are the fault log's entries (their
+    ``t``, the run time at which each was injected, in order)."""
+    found: dict[str, list[Gap]] = {}
+    for gap in gaps:
+        before = [fault for fault in faults if fault["t"] <= gap.opened]
+        kind = before[-1]["kind"] if before else "start"
+        found.setdefault(kind, []).append(gap)
+    figures: dict[str, dict[str, Any]] = {}
+    for kind, kind_gaps in sorted(found.items()):
+        closed = sorted(s for g in kind_gaps if (s := g.seconds) is not None)
+        figures[kind] = {
+            "gaps": len(kind_gaps),
+            "p50_s": round(statistics.median(closed), 2) if closed else None,
+            "max_s": round(closed[-1], 2) if closed else None,
+            "never_closed": len(kind_gaps) - len(closed),
+        }
+    return figures
