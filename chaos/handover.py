@@ -3,8 +3,9 @@
 A thread looks at ``pg_locks`` every ``interval`` seconds on a connection of its own (straight
 to PostgreSQL, past the fault proxy) and counts the shard locks held. Each stretch with fewer
 than every shard owned is a *gap*; after the run each gap is put down to the fault that was
-last injected when it opened, so a relay killed with -9 gives the time until the survivors
-own its shards, and its restart the time until the shards the others let go are taken.
+last injected when it opened, and to whether it opened while that fault held or after its
+heal: a relay killed with -9 gives the time until the survivors own its shards, its restart
+(after the heal) the time until the shards the others let go for it are taken.
 """
 
 from __future__ import annotations
@@ -103,13 +104,20 @@ class ShardWatch:
 
 
 def by_fault(gaps: list[Gap], faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per fault kind: how many gaps opened while it was the last fault injected, their p50
-    and longest, and how many never closed. ``faults`` are the fault log's entries (their
-    ``t``, the run time at which each was injected, in order)."""
+    """Per fault kind: how many gaps opened while it held, and (as "<kind>, after the heal")
+    after it healed and before the next fault; their p50 and longest, and how many never
+    closed. ``faults`` are the fault log's entries (their ``t``, the run time at which each
+    was injected, and ``hold``, in order)."""
     found: dict[str, list[Gap]] = {}
     for gap in gaps:
         before = [fault for fault in faults if fault["t"] <= gap.opened]
-        kind = before[-1]["kind"] if before else "start"
+        kind = "start"
+        if before:
+            last = before[-1]
+            # Past the heal (plus the watch's own interval) the gap is the aftermath: a
+            # restarted relay joining, the others letting shards go for it.
+            healed = gap.opened > last["t"] + last.get("hold", 0.0) + 2 * INTERVAL
+            kind = f"{last['kind']}, after the heal" if healed else last["kind"]
         found.setdefault(kind, []).append(gap)
     figures: dict[str, dict[str, Any]] = {}
     for kind, kind_gaps in sorted(found.items()):

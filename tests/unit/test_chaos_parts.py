@@ -422,9 +422,18 @@ def test_ownership_gaps_are_timed_and_put_down_to_the_last_fault_before_them() -
         watch._saw(owned)
     gaps = watch.stop()
     assert [(g.opened, g.closed) for g in gaps] == [(1.1, 2.5), (10.0, 11.0), (20.0, None)]
-    faults = [{"t": 0.9, "kind": "relay_kill"}, {"t": 9.5, "kind": "postgres_restart"}]
+    faults = [
+        {"t": 0.9, "kind": "relay_kill", "hold": 0.1},
+        {"t": 9.5, "kind": "postgres_restart", "hold": 1.0},
+    ]
     assert by_fault(gaps, faults) == {
         "relay_kill": {"gaps": 1, "p50_s": 1.4, "max_s": 1.4, "never_closed": 0},
-        "postgres_restart": {"gaps": 2, "p50_s": 1.0, "max_s": 1.0, "never_closed": 1},
+        "postgres_restart": {"gaps": 1, "p50_s": 1.0, "max_s": 1.0, "never_closed": 0},
+        "postgres_restart, after the heal": {
+            "gaps": 1,
+            "p50_s": None,
+            "max_s": None,
+            "never_closed": 1,
+        },
     }
     assert by_fault([Gap(0.5, 0.7)], faults)["start"]["gaps"] == 1
