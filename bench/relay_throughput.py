@@ -12,10 +12,11 @@ Side by side in one run, on one stack:
 
 then the same at-least-once x1 relay on a three-node Kafka cluster (replication factor 3,
 min.insync.replicas 2; --no-cluster leaves it out), the commit-to-ack latency at a steady
-1,000 and 10,000 messages/s (one at-least-once relay; the topic stamps records with the
-broker's append time), each relay's memory (peak, and growth over the second half of the
-messages, after start-up filled its buffers), and the CPU the relays and the whole machine
-used during each run.
+1,000 and 10,000 messages/s (one at-least-once relay, after a warm-up at the same rate; the
+topic stamps records with the broker's append time) next to a bare producer's produce-to-ack
+latency at the same rate on the same topic, each relay's memory (peak, and growth over the
+second half of the messages, after start-up filled its buffers), and the CPU the relays and
+the whole machine used during each run.
 
 Run: make bench-relay   (BENCH_ARGS="--n 100000" for a quick run)
 """
@@ -23,6 +24,7 @@ Run: make bench-relay   (BENCH_ARGS="--n 100000" for a quick run)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,27 +349,33 @@ def write_steadily(database_url: str, topic: str, rate: int, seconds: float, out
     Path(out).write_text(json.dumps(committed))
 
 
-def latency(
-    database_url: str, bootstrap: str, topic: str, seconds: float, log: Path, rate: int
-) -> tuple[float, float, int]:
-    """Commit-to-ack p50/p99 (ms) at ``rate`` messages/s, one at-least-once relay."""
-    engine = sa.create_engine(database_url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE outbox"))
-    engine.dispose()
-    env = {
-        **os.environ,
-        "OUTBOX_DATABASE_URL": database_url,
-        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-        "OUTBOX_LOG_LEVEL": "WARNING",
-    }
-    with log.open("ab") as out:
-        relay = subprocess.Popen(
-            [sys.executable, "-m", "outbox.cli", "relay"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+def write_steadily_process(
+    database_url: str, topic: str, rate: int, seconds: float, out: Path
+) -> dict[str, float]:
+    """Run :func:`write_steadily` in a process of its own; returns its commit times."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from bench.relay_throughput import write_steadily; "
+            "write_steadily(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), "
+            "sys.argv[5])",
+            database_url,
+            topic,
+            str(rate),
+            str(seconds),
+            str(out),
+        ],
+        check=True,
+        timeout=seconds * 5 + 120,
+    )
+    committed: dict[str, float] = json.loads(out.read_text())
+    return committed
+
+
+@contextlib.contextmanager
+def append_times(bootstrap: str, topic: str) -> Iterator[dict[str, float]]:
+    """Each record's broker append time (s), by its ``outbox-id`` header, read as they come."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -385,38 +394,101 @@ def latency(
                 if message.error():
                     continue
                 _, stamp = message.timestamp()
-                appended[dict(message.headers() or [])["outbox-id"].decode()] = stamp / 1000
+                message_id = dict(message.headers() or [])["outbox-id"]
+                assert isinstance(message_id, bytes)
+                appended[message_id.decode()] = stamp / 1000
 
     reader = threading.Thread(target=consume)
     reader.start()
-    time.sleep(5)  # relay up, consumer assigned
-    stamps = log.parent / f"bench-latency-{rate}.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from bench.relay_throughput import write_steadily; "
-            "write_steadily(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), "
-            "sys.argv[5])",
-            database_url,
-            topic,
-            str(rate),
-            str(seconds),
-            str(stamps),
-        ],
-        check=True,
-        timeout=seconds * 5 + 120,
-    )
-    committed: dict[str, float] = json.loads(stamps.read_text())
+    try:
+        yield appended
+    finally:
+        stop.set()
+        reader.join()
+        consumer.close()
+
+
+def await_all(appended: dict[str, float], sent: dict[str, float]) -> list[float]:
+    """Latencies in ms, sorted, once every sent record was read (or 30 s passed)."""
     deadline = time.monotonic() + 30
-    while len(appended) < len(committed) and time.monotonic() < deadline:
+    while not sent.keys() <= appended.keys() and time.monotonic() < deadline:
         time.sleep(0.2)
-    stop.set()
-    reader.join()
-    consumer.close()
-    relay.send_signal(signal.SIGTERM)
-    relay.wait(60)
-    values = sorted((appended[k] - committed[k]) * 1000 for k in committed if k in appended)
+    return sorted((appended[k] - sent[k]) * 1000 for k in sent if k in appended)
+
+
+def latency(
+    database_url: str,
+    bootstrap: str,
+    topic: str,
+    seconds: float,
+    warmup: float,
+    log: Path,
+    rate: int,
+) -> tuple[float, float, int]:
+    """Commit-to-ack p50/p99 (ms) at ``rate`` messages/s, one at-least-once relay.
+
+    The relay first carries the same rate for ``warmup`` seconds, not counted: a topic's
+    first tens of seconds of traffic are acknowledged an order of magnitude slower (the
+    bare producer shows the same), and a steady rate means the relay's steady state."""
+    engine = sa.create_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox"))
+    engine.dispose()
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "OUTBOX_LOG_LEVEL": "WARNING",
+    }
+    with log.open("ab") as out:
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "outbox.cli", "relay"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with append_times(bootstrap, topic) as appended:
+            time.sleep(5)  # relay up, consumer assigned
+            stamps = log.parent / f"bench-latency-{rate}.json"
+            if warmup > 0:
+                write_steadily_process(database_url, topic, rate, warmup, stamps)
+            committed = write_steadily_process(database_url, topic, rate, seconds, stamps)
+            values = await_all(appended, committed)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(60)
+    return percentile(values, 0.5), percentile(values, 0.99), len(values)
+
+
+def bare_latency(bootstrap: str, topic: str, seconds: float, rate: int) -> tuple[float, float, int]:
+    """Produce-to-ack p50/p99 (ms) of a bare producer with the relay's settings, sending
+    the latency case's transactions (5 or 10 records) at ``rate`` messages/s: Kafka's part
+    of the relay's latency, on the same topic right after the relay's case."""
+    per_txn = 5 if rate <= 1000 else 10
+    producer = Producer(producer_config({"bootstrap.servers": bootstrap}))
+    value = os.urandom(VALUE_BYTES)
+    sent: dict[str, float] = {}
+    with append_times(bootstrap, topic) as appended:
+        time.sleep(5)  # consumer assigned
+        start = time.monotonic()
+        for i in range(int(seconds * rate / per_txn)):
+            pause = start + i * per_txn / rate - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            now = time.time()
+            for j in range(per_txn):
+                message_id = str(uuid7())
+                sent[message_id] = now
+                producer.produce(
+                    topic,
+                    value=value,
+                    key=f"k{(i * per_txn + j) % 97}".encode(),
+                    headers=[("outbox-id", message_id.encode())],
+                )
+            producer.poll(0)
+        producer.flush(30)
+        values = await_all(appended, sent)
     return percentile(values, 0.5), percentile(values, 0.99), len(values)
 
 
@@ -446,6 +518,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     parser.add_argument("--n", type=int, default=1_000_000, help="messages per throughput run")
     parser.add_argument("--latency-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--latency-warmup-seconds",
+        type=float,
+        default=30.0,
+        help="seconds at each latency case's rate before it is measured (not counted)",
+    )
     parser.add_argument(
         "--cluster",
         action=argparse.BooleanOptionalAction,
@@ -522,17 +600,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         log,
                     )
                 )
-        latencies = {
-            rate: latency(
+        latencies: dict[int, tuple[float, float, int]] = {}
+        bare_latencies: dict[int, tuple[float, float, int]] = {}
+        for rate in (1000, 10_000):
+            latencies[rate] = latency(
                 info.database_url,
                 info.bootstrap_servers,
                 topics["latency"],
                 args.latency_seconds,
+                args.latency_warmup_seconds,
                 log,
                 rate,
             )
-            for rate in (1000, 10_000)
-        }
+            bare_latencies[rate] = bare_latency(
+                info.bootstrap_servers, topics["latency"], args.latency_seconds, rate
+            )
         if args.cluster:
             report(on_cluster(info.database_url, conninfo, n, log))
         engine.dispose()
@@ -565,6 +647,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "latency_ms": {
             str(rate): {"p50": round(p50, 1), "p99": round(p99, 1), "messages": count}
             for rate, (p50, p99, count) in latencies.items()
+        },
+        "bare_producer_latency_ms": {
+            str(rate): {"p50": round(p50, 1), "p99": round(p99, 1), "messages": count}
+            for rate, (p50, p99, count) in bare_latencies.items()
         },
         "relay_cores": {run.name: round(run.relay_cores, 2) for run in runs if run.relay_cores},
         "machine_busy": {run.name: round(run.machine_busy, 2) for run in runs if run.relay_cores},
@@ -602,9 +688,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"RSS growth over the second half of the messages: x{worst_growth:.2f} (floor: flat)")
     for rate, (p50, p99, count) in latencies.items():
         limit = 10 if rate == 1000 else 100
+        bare50, bare99, _ = bare_latencies[rate]
         print(
             f"commit-to-ack at {rate:,} msgs/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms over "
-            f"{count} messages   (floor p99 <= {limit} ms)"
+            f"{count} messages   (floor p99 <= {limit} ms); bare producer p50 {bare50:.1f} "
+            f"ms, p99 {bare99:.1f} ms; relay p99 / bare p99 {p99 / max(bare99, 0.001):.2f}"
         )
     print(json.dumps(figures))
     return figures
