@@ -93,6 +93,11 @@ SEED = _Seed()
     help="Latency, resets and stalls on the relays' connections to PostgreSQL (default: on).",
 )
 @click.option(
+    "--overlapping-faults/--no-overlapping-faults",
+    default=True,
+    help="Faults that land while another holds (default: on).",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -110,6 +115,7 @@ def chaos(
     consumers: int | None,
     writer_processes: int | None,
     database_faults: bool,
+    overlapping_faults: bool,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
@@ -121,8 +127,8 @@ def chaos(
     immediately), three relays, and consumers applying every message to a second service's
     database through the inbox, and plays a fault schedule drawn from --seed: relay, consumer
     and writer kill -9, relay and consumer SIGTERM, broker stop/start, PostgreSQL restart, and
-    latency, dropped and stalled connections to the broker and from the relays to PostgreSQL.
-    Then it drains, runs the
+    latency, dropped and stalled connections to the broker and from the relays to PostgreSQL,
+    and two of these at once. Then it drains, runs the
     reconciliation job, reads the topics back and checks that every committed message was
     applied once, in key order. The last line is the result as JSON. Exit 0: every guarantee
     held; 1: a violation; 2: the run could not be carried out.
@@ -135,7 +141,9 @@ def chaos(
         chosen = replace(chosen, consumers=consumers)
     if writer_processes is not None:
         chosen = replace(chosen, writer_processes=writer_processes)
-    chosen = replace(chosen, database_path_faults=database_faults)
+    chosen = replace(
+        chosen, database_path_faults=database_faults, overlapping_faults=overlapping_faults
+    )
     if plan_only:
         for fault in plan(seed, chosen, duration):
             click.echo(json.dumps(fault.to_json()))

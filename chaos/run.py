@@ -302,9 +302,28 @@ class ChaosRun:
         return None
 
     def _inject(self, fault: Fault) -> None:
-        stack, target = self.stack, self._target(fault)
         entry = self.log.event(f"fault {fault.describe()}", fault=fault.to_json())
         self.log.faults.append({**fault.to_json(), "started": entry["at"], "t": entry["t"]})
+        if not fault.parts:
+            self._break(fault)
+            self._wait_until(self.log.elapsed() + fault.hold)
+            self.log.event(self._heal(fault))
+            return
+        # An overlap: the second fault lands while the first holds; each heals at its time.
+        first, second = fault.parts
+        started = self.log.elapsed()
+        self._break(first)
+        self._wait_until(started + second.at - first.at)
+        self._break(second)
+        self.log.event(f"and now {second.describe()}")
+        for part in sorted(fault.parts, key=lambda part: part.heals_at):
+            self._wait_until(started + part.heals_at - first.at)
+            self.log.event(self._heal(part))
+
+    def _break(self, fault: Fault) -> None:
+        stack, target = self.stack, self._target(fault)
+        if fault.parts:
+            raise ValueError("an overlap is broken part by part")
         if target is not None:
             fleet, index = target
             if fault.kind in (RELAY_KILL, CONSUMER_KILL, WRITER_KILL):
@@ -331,26 +350,26 @@ class ChaosRun:
                 database.drop()
             else:
                 database.stall()
-        self._wait_until(self.log.elapsed() + fault.hold)
-        # Heal.
+
+    def _heal(self, fault: Fault) -> str:
+        """Undo ``fault``; says what was done."""
+        stack, target = self.stack, self._target(fault)
         if target is not None:
             fleet, index = target
             fleet.start(index)
-            what = f"{fleet.name}-{index} restarted"
-        elif fault.kind == BROKER_RESTART:
+            return f"{fleet.name}-{index} restarted"
+        if fault.kind == BROKER_RESTART:
             stack.kafka.start()
-            what = "broker up again"
-        elif fault.kind == POSTGRES_RESTART:
+            return "broker up again"
+        if fault.kind == POSTGRES_RESTART:
             stack.postgres.start()
-            what = "PostgreSQL up again"
-        elif fault.kind in (DB_LATENCY, DB_DROP, DB_STALL):
+            return "PostgreSQL up again"
+        if fault.kind in (DB_LATENCY, DB_DROP, DB_STALL):
             assert stack.database_proxy is not None
             stack.database_proxy.heal()
-            what = "relays' database path healed"
-        else:
-            stack.proxy.heal()
-            what = "network healed"
-        self.log.event(what)
+            return "relays' database path healed"
+        stack.proxy.heal()
+        return "network healed"
 
     def _drain(self) -> None:
         assert self.fleet is not None

@@ -8,7 +8,7 @@ of each kind, in an order drawn from the seed, so even the short profile exercis
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 RELAY_KILL = "relay_kill"  # kill -9 one relay, restart it after the hold
@@ -43,7 +43,34 @@ CONSUMING_FAULTS = (CONSUMER_KILL, CONSUMER_TERM)
 WRITING_FAULTS = (WRITER_KILL,)
 #: Faults of the relays' path to PostgreSQL, played when the profile asks for them.
 DATABASE_PATH_FAULTS = (DB_LATENCY, DB_DROP, DB_STALL)
-FAULT_KINDS = PUBLISHING_FAULTS + CONSUMING_FAULTS + WRITING_FAULTS + DATABASE_PATH_FAULTS
+# Two faults at once: a second one lands while the first holds (a relay killed while the
+# broker restarts, the broker restarted while PostgreSQL is down, ...).
+OVERLAP = "overlap"
+#: Played when the profile asks for them.
+OVERLAPPING_FAULTS = (OVERLAP,)
+FAULT_KINDS = (
+    PUBLISHING_FAULTS
+    + CONSUMING_FAULTS
+    + WRITING_FAULTS
+    + DATABASE_PATH_FAULTS
+    + OVERLAPPING_FAULTS
+)
+#: The first fault of an overlap: one that holds a while, the second landing inside it.
+OVERLAP_FIRST = (BROKER_RESTART, POSTGRES_RESTART, NET_LATENCY, DB_LATENCY, NET_STALL)
+#: The second: a process killed or stopped, a server restarted, connections reset.
+OVERLAP_SECOND = (
+    RELAY_KILL,
+    RELAY_TERM,
+    BROKER_RESTART,
+    POSTGRES_RESTART,
+    NET_DROP,
+    DB_DROP,
+    CONSUMER_KILL,
+    WRITER_KILL,
+)
+#: Faults that stop a process: in an overlap it is restarted only once the first fault healed
+#: too (a relay's first look at a database that is still down would end it).
+PROCESS_FAULTS = (RELAY_KILL, RELAY_TERM, CONSUMER_KILL, CONSUMER_TERM, WRITER_KILL)
 
 #: How long each kind of fault lasts, in seconds: (shortest, longest).
 HOLDS: dict[str, tuple[float, float]] = {
@@ -80,12 +107,15 @@ class Profile:
     writer_processes: int = 0
     #: Whether latency, resets and stalls hit the relays' connections to PostgreSQL.
     database_path_faults: bool = True
+    #: Whether a second fault may land while another holds.
+    overlapping_faults: bool = True
 
     @property
     def fault_kinds(self) -> tuple[str, ...]:
         kinds = PUBLISHING_FAULTS + (CONSUMING_FAULTS if self.consumers else ())
         kinds += WRITING_FAULTS if self.writer_processes else ()
-        return kinds + (DATABASE_PATH_FAULTS if self.database_path_faults else ())
+        kinds += DATABASE_PATH_FAULTS if self.database_path_faults else ()
+        return kinds + (OVERLAPPING_FAULTS if self.overlapping_faults else ())
 
 
 PROFILES = {
@@ -110,12 +140,20 @@ class Fault:
     latency_ms: int | None = None
     consumer: int | None = None  # for consumer faults: its index
     writer: int | None = None  # for writer faults: its index
+    #: For an overlap: its first fault and the second, which lands while the first holds.
+    parts: tuple[Fault, ...] = ()
 
     @property
     def heals_at(self) -> float:
         return self.at + self.hold
 
     def describe(self) -> str:
+        if self.parts:
+            first, second = self.parts
+            return (
+                f"{self.kind}: {first.describe()}, and {second.at - first.at:.1f}s in "
+                f"{second.describe()}"
+            )
         parts = [self.kind]
         if self.relay is not None:
             parts.append(f"relay-{self.relay}")
@@ -131,7 +169,10 @@ class Fault:
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        body = {k: v for k, v in asdict(self).items() if v is not None and k != "parts"}
+        if self.parts:
+            body["parts"] = [part.to_json() for part in self.parts]
+        return body
 
 
 def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fault]:
@@ -160,6 +201,8 @@ def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fau
 
 
 def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
+    if kind == OVERLAP:
+        return _draw_overlap(rng, at, profile)
     low, high = HOLDS[kind]
     hold = round(rng.uniform(low, high), 1)
     at = round(at, 1)
@@ -178,3 +221,23 @@ def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
     if kind == DB_LATENCY:
         return Fault(at, kind, hold, latency_ms=rng.randrange(5, 300, 5))
     return Fault(at, kind, hold)
+
+
+def _draw_overlap(rng: random.Random, at: float, profile: Profile) -> Fault:
+    """Two faults: the first holds, the second lands inside it. The overlap heals when both
+    have; a stopped process comes back only once the first fault healed."""
+    kinds = set(profile.fault_kinds)
+    first = _draw(rng, rng.choice([k for k in OVERLAP_FIRST if k in kinds]), at, profile)
+    # Not a second fault on the first one's proxy: healing it would heal both.
+    same_proxy = {NET_LATENCY: NET_DROP, NET_STALL: NET_DROP, DB_LATENCY: DB_DROP}
+    seconds = [
+        k
+        for k in OVERLAP_SECOND
+        if k in kinds and k != first.kind and k != same_proxy.get(first.kind)
+    ]
+    second_at = first.at + rng.uniform(0.1, 0.8) * first.hold
+    second = _draw(rng, rng.choice(seconds), second_at, profile)
+    if second.kind in PROCESS_FAULTS and second.heals_at < first.heals_at:
+        second = replace(second, hold=round(first.heals_at - second.at + 0.1, 1))
+    hold = round(max(first.heals_at, second.heals_at) - first.at, 1)
+    return Fault(first.at, OVERLAP, hold, parts=(first, second))

@@ -19,6 +19,8 @@ from outbox.chaos.schedule import (
     CONSUMING_FAULTS,
     FAULT_KINDS,
     HOLDS,
+    OVERLAP,
+    PROCESS_FAULTS,
     PROFILES,
     PUBLISHING_FAULTS,
     WRITER_KILL,
@@ -45,6 +47,8 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
     for before, after in itertools.pairwise(faults):
         assert after.at >= before.heals_at + SHORT.min_gap - 0.1  # one at a time, with a gap
     for fault in faults:
+        if fault.kind == OVERLAP:
+            continue  # its parts: the test below
         low, high = HOLDS[fault.kind]
         assert low <= fault.hold <= high
         if fault.relay is not None:
@@ -58,7 +62,13 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
 
 
 def test_without_consumers_no_consumer_fault_is_planned_and_the_seed_plays_as_before() -> None:
-    bare = replace(SHORT, consumers=0, writer_processes=0, database_path_faults=False)
+    bare = replace(
+        SHORT,
+        consumers=0,
+        writer_processes=0,
+        database_path_faults=False,
+        overlapping_faults=False,
+    )
     faults = plan(7, bare)
     assert {f.kind for f in faults} <= set(PUBLISHING_FAULTS)
     assert sorted(f.kind for f in faults[: len(PUBLISHING_FAULTS)]) == sorted(PUBLISHING_FAULTS)
@@ -437,3 +447,24 @@ def test_ownership_gaps_are_timed_and_put_down_to_the_last_fault_before_them() -
         },
     }
     assert by_fault([Gap(0.5, 0.7)], faults)["start"]["gaps"] == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_overlap_lands_its_second_fault_while_the_first_holds(seed: int) -> None:
+    overlaps = [f for f in plan(seed, PROFILES["long"]) if f.kind == OVERLAP]
+    assert overlaps
+    for overlap in overlaps:
+        first, second = overlap.parts
+        assert first.at == overlap.at and first.kind != second.kind
+        assert first.at < second.at < first.heals_at  # inside the first
+        assert overlap.heals_at == pytest.approx(max(first.heals_at, second.heals_at), abs=0.11)
+        if second.kind in PROCESS_FAULTS:  # no process restarted into a fault still on
+            assert second.heals_at >= first.heals_at
+        for part in overlap.parts:
+            assert not part.parts
+            low, high = HOLDS[part.kind]
+            assert low <= part.hold
+            assert part.hold <= high or (part is second and second.kind in PROCESS_FAULTS)
+    replayed = json.loads(json.dumps(overlaps[0].to_json()))
+    assert [part["kind"] for part in replayed["parts"]] == [p.kind for p in overlaps[0].parts]
+    assert "and" in overlaps[0].describe()
