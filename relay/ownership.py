@@ -83,32 +83,50 @@ class ShardOwnership:
             self.owned.discard(shard)
             lost.append(shard)
         gained: list[int] = []
-        if len(self.owned) < target and len(self.owned) < self._free_or_mine() and can_serve():
-            # Start at a member-specific shard so that relays starting together collide less.
-            start = self.member_number % self.shard_count
-            for step in range(self.shard_count):
-                if len(self.owned) >= target:
-                    break
-                shard = (start + step) % self.shard_count
-                if shard in self.owned or self._held_off.get(shard, 0.0) > time.monotonic():
-                    continue
-                row = self.conn.execute(
-                    "SELECT pg_try_advisory_lock(%s, %s)", (self._shards_key, shard)
-                ).fetchone()
-                if row and row[0]:
-                    self.owned.add(shard)
-                    gained.append(shard)
+        if len(self.owned) < target:
+            now = time.monotonic()
+            free = [
+                shard
+                for shard in self._free_shards()
+                if shard not in self.owned and self._held_off.get(shard, 0.0) <= now
+            ]
+            if free and can_serve():
+                # Start at a member-specific shard so that relays starting together collide
+                # less; try only as many as the share lacks.
+                start = self.member_number % self.shard_count
+                free.sort(key=lambda shard: (shard - start) % self.shard_count)
+                gained = self._try_lock(free[: target - len(self.owned)])
+                self.owned.update(gained)
         return sorted(gained), sorted(lost)
 
-    def _free_or_mine(self) -> int:
-        """How many shards this relay could own now: its own plus those nobody holds."""
-        row = self.conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    def _free_shards(self) -> list[int]:
+        """The shards no other session holds, in one round trip."""
+        rows = self.conn.execute(
+            "SELECT s FROM generate_series(0, %s - 1) AS s WHERE s NOT IN ("
+            "SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted"
             " AND objsubid = 2 AND classid = %s::bigint::oid AND pid <> pg_backend_pid()"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            (self._shards_key,),
-        ).fetchone()
-        return self.shard_count - (int(row[0]) if row else 0)
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+            (self.shard_count, self._shards_key),
+        ).fetchall()
+        return [int(row[0]) for row in rows]
+
+    def _try_lock(self, shards: list[int]) -> list[int]:
+        """Try each shard's lock, all in one round trip (a pipeline): the shards locked.
+
+        One statement per shard rather than one over all of them, so that exactly the locks
+        asked for are taken, whatever plan a single statement would get; a shard another
+        relay locked since :meth:`_free_shards` looked is simply not gained."""
+        with self.conn.pipeline():
+            cursors = [
+                self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (self._shards_key, s))
+                for s in shards
+            ]
+        locked = []
+        for shard, cursor in zip(shards, cursors, strict=True):
+            row = cursor.fetchone()
+            if row and row[0]:
+                locked.append(shard)
+        return locked
 
     def release(self, shards: list[int], hold_off: float = 0.0) -> None:
         """Unlock ``shards`` now (a take-over that failed, a producer that cannot go on);

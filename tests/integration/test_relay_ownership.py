@@ -137,3 +137,40 @@ def test_a_shard_let_go_with_a_hold_off_is_not_locked_again_until_it_ends(
         assert ownership.rebalance() == ([], [])  # free, but held off
         time.sleep(1.1)
         assert ownership.rebalance() == ([3], [])
+
+
+def test_a_rebalance_locks_exactly_the_shards_it_reports_and_no_more(outbox_url: str) -> None:
+    """The share's free shards are tried in one pipelined round trip; a shard another
+    relay holds is left alone, and no lock is taken beyond the share."""
+    import psycopg
+
+    from outbox.relay.ownership import ShardOwnership
+    from outbox.schema import DEFAULT_SPEC
+
+    url = sa.make_url(outbox_url).set(drivername="postgresql").render_as_string(False)
+    with (
+        psycopg.connect(url, autocommit=True) as first_conn,
+        psycopg.connect(url, autocommit=True) as second_conn,
+    ):
+        first = ShardOwnership(first_conn, DEFAULT_SPEC, member_number=5)
+        first.join()
+        assert len(first.rebalance()[0]) == SHARD_COUNT  # alone: every shard
+        second = ShardOwnership(second_conn, DEFAULT_SPEC, member_number=9)
+        second.join()
+        # Two members now: the first lets go of the shards above its half...
+        gained, let_go = first.rebalance()
+        assert gained == [] and len(let_go) == SHARD_COUNT // 2
+        # ...and the second takes exactly those, without touching the first's.
+        assert second.rebalance() == (let_go, [])
+        for ownership, conn in ((first, first_conn), (second, second_conn)):
+            held = {
+                int(row[0])
+                for row in conn.execute(
+                    "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND objsubid = 2 AND classid = %s::bigint::oid AND pid = pg_backend_pid()",
+                    (DEFAULT_SPEC.lock_space("shard"),),
+                )
+            }
+            assert held == ownership.owned
+        assert first.owned.isdisjoint(second.owned) and second.owned == set(let_go)
+        assert second.rebalance() == ([], [])  # its share is full: it tries nothing more
