@@ -115,7 +115,11 @@ class ShardOwnership:
 
         One statement per shard rather than one over all of them, so that exactly the locks
         asked for are taken, whatever plan a single statement would get; a shard another
-        relay locked since :meth:`_free_shards` looked is simply not gained."""
+        relay locked since :meth:`_free_shards` looked is simply not gained.
+
+        If a statement fails, the locks granted before it stay held (session locks ignore the
+        rollback) without being recorded: the caller must then end the session, as the relay
+        does on any database error (its connection is closed, and every lock goes with it)."""
         with self.conn.pipeline():
             cursors = [
                 self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (self._shards_key, s))
