@@ -188,6 +188,27 @@ def test_two_batches_are_in_flight_at_once_on_disjoint_shards(engine, outbox_url
     assert len(stub.acked) == 3000 and by_key_in_seq_order(stub.acked)
 
 
+def test_a_transaction_written_to_an_idle_relay_goes_in_one_batch_over_all_its_shards(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """At a low rate the relay reads every owned shard at once: a transaction whose messages
+    fall in both halves of the shards is one read and one batch, not two."""
+    from outbox.schema import SHARD_COUNT
+
+    stub = StubPublisher(latency=0.01)
+    with looping(Relay(config(outbox_url), publisher=stub)) as relay:
+        wait_for(
+            lambda: relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
+        )
+        ids = publish(engine, 40, keys=40)
+        wait_for(lambda: statuses(engine) == {"sent": 40})
+    starts = [shards for event, shards in stub.log if event == "start"]
+    shards = {record.shard for record in stub.acked}
+    assert len(shards) > SHARD_COUNT // 2  # the messages span both halves
+    assert starts == [frozenset(shards)]
+    assert {record.id for record in stub.acked} == set(ids)
+
+
 def test_a_retried_message_holds_back_only_its_key_and_goes_first_when_due(
     engine, outbox_url
 ) -> None:  # type: ignore[no-untyped-def]
