@@ -209,6 +209,49 @@ def test_a_transaction_written_to_an_idle_relay_goes_in_one_batch_over_all_its_s
     assert {record.id for record in stub.acked} == set(ids)
 
 
+def test_a_relay_woken_for_one_message_reads_it_in_whichever_half_of_its_shards(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """A sleeping relay woken by a commit finds the row whatever shard it is in: it does not
+    read one half of its shards, find nothing, and sleep again until its poll interval."""
+    from outbox.schema import SHARD_COUNT, shard_of
+
+    keys = [f"k{n}" for n in range(200)]
+    low = [k for k in keys if shard_of(k.encode(), uuid.uuid4()) < SHARD_COUNT // 2][:5]
+    high = [k for k in keys if shard_of(k.encode(), uuid.uuid4()) >= SHARD_COUNT // 2][:5]
+    stub = StubPublisher(latency=0.01)
+    relay = Relay(config(outbox_url, poll_interval=20.0, rebalance_interval=20.0), publisher=stub)
+    with looping(relay):
+        wait_for(
+            lambda: relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
+        )
+        for number, key in enumerate(k for pair in zip(low, high, strict=True) for k in pair):
+            with Outbox(engine).transaction() as tx:
+                tx.publish("loop", {"n": number}, key=key)
+            # Far below the poll interval: only the commit's wake-up can have sent it.
+            wait_for(lambda n=number: len(stub.acked) == n + 1, 10)
+    assert statuses(engine) == {"sent": 10}
+
+
+def test_a_backlog_of_two_keys_in_two_halves_is_read_beside_the_batch_in_flight(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """A backlog that sits in two shards still keeps two batches in flight: only the first
+    read after the relay found nothing takes every shard, and then at a half-read's window."""
+    from outbox.schema import SHARD_COUNT, shard_of
+
+    keys = [f"k{n}" for n in range(200)]
+    low = next(k for k in keys if shard_of(k.encode(), uuid.uuid4()) < SHARD_COUNT // 2)
+    high = next(k for k in keys if shard_of(k.encode(), uuid.uuid4()) >= SHARD_COUNT // 2)
+    with Outbox(engine).transaction() as tx:
+        tx.publish_many([Message("loop", {"n": n}, key=(low, high)[n % 2]) for n in range(3000)])
+    stub = StubPublisher(latency=0.03)
+    with looping(Relay(config(outbox_url, batch_size=1000), publisher=stub)):
+        wait_for(lambda: statuses(engine) == {"sent": 3000})
+    assert stub.overlaps > 0  # one key's batch started while the other's was in flight
+    assert by_key_in_seq_order(stub.acked)
+
+
 def test_a_retried_message_holds_back_only_its_key_and_goes_first_when_due(
     engine, outbox_url
 ) -> None:  # type: ignore[no-untyped-def]
@@ -267,7 +310,7 @@ def test_a_lost_shard_is_let_go_and_its_rows_stay_pending_for_the_next_owner(
 
 
 def test_shutdown_waits_for_the_batch_in_flight_and_records_it(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
-    publish(engine, 100, keys=10)
+    publish(engine, 2000, keys=10)
     stub = StubPublisher(latency=1.0)
     relay = Relay(config(outbox_url, batch_size=1000), publisher=stub)
     thread = threading.Thread(target=relay.run, daemon=True)
@@ -276,10 +319,10 @@ def test_shutdown_waits_for_the_batch_in_flight_and_records_it(engine, outbox_ur
     relay.stop()
     thread.join(30)
     assert not thread.is_alive()
-    assert len(stub.acked) > 0
-    # Every batch started before the stop is recorded; rows of shards whose half of the
-    # pipeline had not started yet stay pending, untouched.
-    expected = {"sent": len(stub.acked), "pending": 100 - len(stub.acked)}
+    # Every batch started before the stop is recorded; rows beyond the batches started (a
+    # batch holds 1,000) stay pending, untouched.
+    assert 0 < len(stub.acked) < 2000
+    expected = {"sent": len(stub.acked), "pending": 2000 - len(stub.acked)}
     assert statuses(engine) == {k: v for k, v in expected.items() if v}
     with engine.connect() as conn:
         sent = conn.execute(sa.text("SELECT id FROM outbox WHERE status = 'sent'")).scalars()
