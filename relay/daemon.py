@@ -228,9 +228,12 @@ class Relay:
         assert self._publisher is not None
         self._settle(self._publisher.wait(0))
         started = False if self._stop.is_set() else self._start_next()
+        settled = False
         if self._publisher.in_flight and not started:
-            self._settle(self._publisher.wait(WAIT_SLICE))
-        return started or self._publisher.in_flight > 0
+            settled = self._settle(self._publisher.wait(WAIT_SLICE))
+        # A batch just recorded may have left rows behind it (the batch size, a shard's
+        # window): look again before sleeping, since no commit is left to wake this relay.
+        return started or settled or self._publisher.in_flight > 0
 
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.

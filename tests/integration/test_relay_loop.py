@@ -220,7 +220,7 @@ def test_a_relay_woken_for_one_message_reads_it_in_whichever_half_of_its_shards(
     low = [k for k in keys if shard_of(k.encode(), uuid.uuid4()) < SHARD_COUNT // 2][:5]
     high = [k for k in keys if shard_of(k.encode(), uuid.uuid4()) >= SHARD_COUNT // 2][:5]
     stub = StubPublisher(latency=0.01)
-    relay = Relay(config(outbox_url, poll_interval=20.0, rebalance_interval=20.0), publisher=stub)
+    relay = Relay(config(outbox_url, poll_interval=8.0, rebalance_interval=8.0), publisher=stub)
     with looping(relay):
         wait_for(
             lambda: relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
@@ -229,7 +229,7 @@ def test_a_relay_woken_for_one_message_reads_it_in_whichever_half_of_its_shards(
             with Outbox(engine).transaction() as tx:
                 tx.publish("loop", {"n": number}, key=key)
             # Far below the poll interval: only the commit's wake-up can have sent it.
-            wait_for(lambda n=number: len(stub.acked) == n + 1, 10)
+            wait_for(lambda n=number: len(stub.acked) == n + 1, 5)
     assert statuses(engine) == {"sent": 10}
 
 
@@ -249,6 +249,44 @@ def test_a_backlog_of_two_keys_in_two_halves_is_read_beside_the_batch_in_flight(
     with looping(Relay(config(outbox_url, batch_size=1000), publisher=stub)):
         wait_for(lambda: statuses(engine) == {"sent": 3000})
     assert stub.overlaps > 0  # one key's batch started while the other's was in flight
+    assert by_key_in_seq_order(stub.acked)
+
+
+@contextmanager
+def another_relay_watching(outbox_url: str) -> Iterator[None]:
+    """A session that holds the sleeper and wake locks as a sleeping watcher relay does:
+    the relay under test is then not the watcher, and only writers' NOTIFYs wake it."""
+    import psycopg
+
+    from outbox.schema import OutboxTableSpec
+
+    spec = OutboxTableSpec()
+    url = sa.make_url(outbox_url).set(drivername="postgresql")
+    with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_advisory_lock(%s, %s), pg_advisory_lock(%s, %s)",
+            (*spec.sleeper_lock, *spec.wake_lock),
+        )
+        yield
+
+
+@pytest.mark.parametrize("keys", [1, 200])
+def test_a_relay_that_is_not_the_watcher_drains_a_backlog_without_sleeping_between_batches(
+    engine, outbox_url, keys
+) -> None:  # type: ignore[no-untyped-def]
+    """Rows left behind a batch (the batch size, one key's window) are read as soon as the
+    batch is recorded: no commit is left to wake a relay that another relay watches for."""
+    from outbox.schema import SHARD_COUNT
+
+    stub = StubPublisher(latency=0.01)
+    relay = Relay(config(outbox_url, poll_interval=8.0, rebalance_interval=8.0), publisher=stub)
+    with another_relay_watching(outbox_url), looping(relay):
+        wait_for(
+            lambda: relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
+        )
+        publish(engine, 1000, keys=keys)  # ten batches of 100 or more
+        # Far below the poll interval: a relay that slept after a batch would take 8 s.
+        wait_for(lambda: statuses(engine) == {"sent": 1000}, 5)
     assert by_key_in_seq_order(stub.acked)
 
 
