@@ -48,7 +48,7 @@ from outbox.relay.producers import (
     InFlight,
 )
 from outbox.relay.progress import ensure_progress_topic
-from outbox.relay.store import READ_WINDOW_FLOOR, Failure, PendingRow, RelayStore
+from outbox.relay.store import Failure, PendingRow, RelayStore, shard_window
 from outbox.relay.tracing import start_batch_span
 from outbox.relay.wakeup import WakeUp
 from outbox.sending import Ack, order_gaps
@@ -297,7 +297,7 @@ class Relay:
             size, per_shard = self.config.batch_size * len(shards), self.config.batch_size
         else:
             size = self.config.batch_size
-            per_shard = max(READ_WINDOW_FLOOR, 2 * size // half)
+            per_shard = shard_window(size, half)
         return self.store.read_batch(shards, size, self._conn, per_shard)
 
     def _settle(self, flights: Sequence[InFlight]) -> bool:

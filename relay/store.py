@@ -13,10 +13,13 @@ from outbox.rows import READ_COLUMNS, Failure, OutboxRows, PendingRow, pending_r
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
-__all__ = ["READ_WINDOW_FLOOR", "Failure", "PendingRow", "RelayStore"]
+__all__ = ["Failure", "PendingRow", "RelayStore", "shard_window"]
 
-#: Fewest rows a read looks at in one shard (a shard's window: see ``read_batch``).
-READ_WINDOW_FLOOR = 100
+
+def shard_window(batch_size: int, shards: int) -> int:
+    """How many rows of each shard a read looks at when ``shards`` share a batch: twice
+    its share, and at least 100."""
+    return max(100, 2 * batch_size // shards)
 
 
 class RelayStore(OutboxRows):
@@ -49,7 +52,7 @@ class RelayStore(OutboxRows):
         """
         if not shards:
             return []
-        window = per_shard or max(READ_WINDOW_FLOOR, 2 * batch_size // len(shards))
+        window = per_shard or shard_window(batch_size, len(shards))
         params = {"shards": list(shards), "window": window, "batch_size": batch_size}
         if owner_connection is not None:
             with owner_connection.cursor() as cursor:
