@@ -63,6 +63,13 @@ MAX_ERROR_PAUSE = 10.0
 KAFKA_PROBE_TIMEOUT = 5.0
 #: Seconds before a relay takes back a shard whose producer could not go on.
 LOST_SHARD_HOLD_OFF = 5.0
+#: Take-overs that fail in a row before a relay tries to step aside (leave the members), so
+#: that healthy relays take its share instead of the shards waiting for it to recover.
+FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE = 2
+#: Seconds out of the members the first time; doubled at each step aside in a row, up to
+#: the longest. A take-over that works resets both counts.
+STEP_ASIDE_SECONDS = 10.0
+LONGEST_STEP_ASIDE_SECONDS = 160.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
@@ -130,6 +137,10 @@ class Relay:
         self._found_nothing = True
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
+        self._failed_take_overs = 0
+        #: Steps aside in a row, and when this relay may join again after the last one.
+        self.step_asides = 0
+        self._rejoin_at = 0.0
         self.batches = 0
         self.metrics_server_port: int | None = None
 
@@ -484,11 +495,14 @@ class Relay:
         self._next_rebalance = now + self.config.rebalance_interval
         self._publisher.serve_events()
         if not self._ownership.joined:
+            if now < self._rejoin_at and self._ownership.other_members() > 0:
+                return  # stepped aside: the others serve its share meanwhile
             # A relay that cannot publish must not count as a member: each member lowers the
             # others' share, and the shards they let go would wait for it.
             self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
             self.health.kafka_ok = True
             self._ownership.join()
+            self.health.stepped_aside = False
         # A shard changes hands only with no batch of it in flight: the batches in flight
         # finish first when shards are to be let go (gained shards have none).
         gained, lost = self._ownership.rebalance(
@@ -522,18 +536,49 @@ class Relay:
             recovered = self._publisher.take_over(shards)
             marked = self.store.mark_committed(recovered)
             broken = self.store.break_leases(shards)
-        except Exception:
+        except Exception as error:
             # Owning a shard that was not taken over properly would stall it: give the shards
             # back, so that a later rebalance (here or in another relay) tries again.
             self._publisher.let_go(shards)
             self._ownership.release(shards)
+            if isinstance(error, KafkaException | TimeoutError):
+                self._take_over_failed()
             raise
+        self._failed_take_overs = self.step_asides = 0
+        self._ownership.mark_serving()
         log.info(
             "took over shards %s (%d rows marked sent from committed progress, "
             "%d leases taken back)",
             shards,
             marked,
             broken,
+        )
+
+    def _take_over_failed(self) -> None:
+        """Count a take-over that Kafka failed; after a few in a row, step aside if another
+        member serves (ShardOwnership.step_aside): this relay's path to Kafka, not Kafka, may
+        be what is broken, and its share would otherwise wait for it."""
+        assert self._ownership is not None and self._publisher is not None
+        self._failed_take_overs += 1
+        if self._failed_take_overs < FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE:
+            return
+        self._ownership.mark_failing()
+        self._drain()  # nothing of a shard may be in flight when it is let go
+        released = self._ownership.step_aside()
+        if released is None:
+            return  # nobody else serves: keep trying here
+        self._publisher.let_go(released)
+        pause = min(LONGEST_STEP_ASIDE_SECONDS, STEP_ASIDE_SECONDS * 2**self.step_asides)
+        self.step_asides += 1
+        self._failed_take_overs = 0
+        self._rejoin_at = time.monotonic() + pause
+        self.health.stepped_aside = True
+        self.metrics.owned_shards.set(0)
+        log.warning(
+            "shard take-overs keep failing: stepping aside for up to %.0fs (released shards "
+            "%s) so that the other relays take them",
+            pause,
+            released,
         )
 
     def _lost_database(self, error: Exception) -> None:

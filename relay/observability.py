@@ -75,6 +75,8 @@ class HealthState:
         self.database_ok = False
         self.kafka_ok = False
         self.stopping = False
+        #: Out of the members for a while after its take-overs kept failing.
+        self.stepped_aside = False
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
@@ -98,7 +100,13 @@ class HealthState:
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.database_ok and self.kafka_ok and not self.stopping
+        return (
+            self.alive
+            and self.database_ok
+            and self.kafka_ok
+            and not self.stopping
+            and not self.stepped_aside
+        )
 
     def not_alive_because(self) -> str:
         return "stuck: batches are not sent" if self.stuck else "stalled"
@@ -111,6 +119,7 @@ class HealthState:
                 ("not alive", not self.alive),
                 ("database out of reach", not self.database_ok),
                 ("Kafka out of reach", not self.kafka_ok),
+                ("stepped aside: its shard take-overs kept failing", self.stepped_aside),
             )
             if bad
         ]

@@ -8,6 +8,11 @@ rebalance interval. TCP keepalives bound how long a silently vanished relay can 
 
 Rebalancing is simple and converges: with ``m`` live members each relay aims at
 ``ceil(shards / m)``; it lets go of shards above that and tries to lock free ones below it.
+
+A member also holds a *serving* lock while its take-overs work. One whose take-overs keep
+failing drops it, and may step aside (:meth:`step_aside`): leave the members, so that the
+others' share grows to cover its shards. It may do so only while another member still
+serves, decided under one lock that all relays share: so the members never all step aside.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class ShardOwnership:
     def __post_init__(self) -> None:
         self._shards_key = self.spec.lock_space("shard")
         self._members_key = self.spec.lock_space("member")
+        self._serving_key = self.spec.lock_space("serving")
+        #: One key, held only while a relay decides to step aside: decisions go one at a time.
+        self._stepping_aside = (self.spec.lock_space("step-aside"), 0)
+        self.serving = False
 
     def join(self) -> None:
         """Take the member lock (counted by everyone's rebalance). Join only when able to
@@ -49,16 +58,68 @@ class ShardOwnership:
                 "SELECT pg_advisory_lock(%s, %s)", (self._members_key, self.member_number)
             )
             self.joined = True
+            self.mark_serving()
+
+    def mark_serving(self) -> None:
+        """Say that this member's take-overs work (a member serves until one fails)."""
+        if self.joined and not self.serving:
+            self.conn.execute(
+                "SELECT pg_advisory_lock(%s, %s)", (self._serving_key, self.member_number)
+            )
+            self.serving = True
+
+    def mark_failing(self) -> None:
+        """Say that this member's take-overs fail: no other member steps aside on its
+        account."""
+        if self.serving:
+            self.conn.execute(
+                "SELECT pg_advisory_unlock(%s, %s)", (self._serving_key, self.member_number)
+            )
+            self.serving = False
+
+    def step_aside(self) -> list[int] | None:
+        """Leave the members if another member serves: unlock every shard and the member
+        lock, so that the others take this relay's share. Returns the shards let go, or None
+        (this relay stays: nobody else serves, or another relay is deciding right now)."""
+        if not self.joined:
+            return None
+        got = self.conn.execute(
+            "SELECT pg_try_advisory_lock(%s, %s)", self._stepping_aside
+        ).fetchone()
+        if not (got and got[0]):
+            return None
+        try:
+            if self._holders(self._serving_key, others_only=True) == 0:
+                return None
+            self.mark_failing()
+            released = self.release_all()
+            self.conn.execute(
+                "SELECT pg_advisory_unlock(%s, %s)", (self._members_key, self.member_number)
+            )
+            self.joined = False
+            return released
+        finally:
+            self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", self._stepping_aside)
 
     def members(self) -> int:
+        """Live members, this one counted whether it is one or not (at least 1)."""
+        return max(1, self._holders(self._members_key))
+
+    def other_members(self) -> int:
+        """Live members other than this relay."""
+        return self._holders(self._members_key, others_only=True)
+
+    def _holders(self, key: int, others_only: bool = False) -> int:
+        """How many sessions hold a lock of the lock space ``key``."""
         row = self.conn.execute(
             "SELECT count(DISTINCT pid) FROM pg_locks "
             "WHERE locktype = 'advisory' AND granted AND objsubid = 2 "
             "AND classid = %s::bigint::oid "
-            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            (self._members_key,),
+            + ("AND pid <> pg_backend_pid() " if others_only else "")
+            + "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (key,),
         ).fetchone()
-        return max(1, int(row[0]) if row else 1)
+        return int(row[0]) if row else 0
 
     def rebalance(
         self,
@@ -155,4 +216,5 @@ class ShardOwnership:
         """The connection is gone, and with it every lock: own nothing."""
         lost = sorted(self.owned)
         self.owned.clear()
+        self.joined = self.serving = False
         return lost

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox import Message, Outbox
 from outbox.records import OutboxRecord
@@ -420,3 +420,93 @@ def test_marks_wait_for_the_disk_flush_only_where_a_forgotten_mark_would_duplica
             marking = conn.execute(sa.text("SHOW synchronous_commit")).scalar_one()
     assert row == (setting,)
     assert marking == "on"
+
+
+class FailingTakeOvers(StubPublisher):
+    """A relay whose shard take-overs always time out (its own path to Kafka is broken)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    def take_over(self, shards: Sequence[int]) -> list[Ack]:
+        self.failures += 1
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "stub: no answer"))
+
+
+def owns_all(relay: Relay) -> bool:
+    from outbox.schema import SHARD_COUNT
+
+    return relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
+
+
+def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_sends_all(  # type: ignore[no-untyped-def]
+    engine, outbox_url, monkeypatch
+) -> None:
+    """Without stepping aside, the failing relay keeps its share of the shards (it locks them
+    again at each rebalance) and their messages wait for it for good."""
+    from outbox.relay import daemon
+
+    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 1.5)
+    healthy_stub, failing_stub = StubPublisher(), FailingTakeOvers()
+    healthy = Relay(config(outbox_url), publisher=healthy_stub)
+    failing = Relay(config(outbox_url), publisher=failing_stub)
+    with looping(healthy), looping(failing):
+        wait_for(lambda: failing.health.stepped_aside)
+        assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
+        publish(engine, 400, keys=100)  # every shard gets some
+        wait_for(lambda: statuses(engine) == {"sent": 400})
+        assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
+        assert owns_all(healthy)
+        assert not failing.health.ready and "stepped aside" in failing.health.not_ready_because()
+        # Back after its pause, it fails again and stays out twice as long.
+        wait_for(lambda: failing.step_asides == 2, 20)
+        assert failing_stub.failures == 2 * daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
+        # Its return made the healthy relay give it a share for a moment; it takes it back.
+        wait_for(lambda: owns_all(healthy), 5)
+        publish(engine, 100, keys=100)
+        wait_for(lambda: statuses(engine) == {"sent": 500})
+        assert len(healthy_stub.acked) == 500 and by_key_in_seq_order(healthy_stub.acked)
+
+
+def test_relays_whose_take_overs_all_fail_never_all_step_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    """Each sees the other as a member when it decides: without the shared decision and the
+    serving locks, both step aside and nobody owns the shards."""
+    stubs = [FailingTakeOvers(), FailingTakeOvers()]
+    relays = [Relay(config(outbox_url), publisher=stub) for stub in stubs]
+    both_out = 0
+    with looping(relays[0]), looping(relays[1]):
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            both_out += all(relay.health.stepped_aside for relay in relays)
+            time.sleep(0.01)
+        assert all(stub.failures >= 4 for stub in stubs)
+    assert both_out == 0
+    assert not any(relay.step_asides for relay in relays)
+
+
+def test_the_last_relay_never_steps_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    failing_stub = FailingTakeOvers()
+    failing = Relay(config(outbox_url), publisher=failing_stub)
+    with looping(failing):
+        wait_for(lambda: failing_stub.failures >= 4, 30)
+        assert not failing.health.stepped_aside and failing.step_asides == 0
+
+
+def test_a_relay_that_stepped_aside_comes_back_at_once_when_no_member_is_left(  # type: ignore[no-untyped-def]
+    engine, outbox_url, monkeypatch
+) -> None:
+    """Its pause is long, but the relay that served its share is gone: waiting out the pause
+    would leave every shard unowned."""
+    from outbox.relay import daemon
+
+    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 60.0)
+    failing_stub = FailingTakeOvers()
+    failing = Relay(config(outbox_url), publisher=failing_stub)
+    with looping(failing):
+        with looping(Relay(config(outbox_url), publisher=StubPublisher())):
+            wait_for(lambda: failing.health.stepped_aside)
+        rejoined = time.monotonic()
+        wait_for(lambda: not failing.health.stepped_aside, 5)
+        assert time.monotonic() - rejoined < 5
+        assert failing._ownership is not None and failing._ownership.joined
