@@ -200,6 +200,11 @@ class Relay:
                     if busy:
                         # Busy: look again at once, and let writers commit without notifying.
                         self._wake.busy()
+                    elif self.health.stepped_aside:
+                        # Owning no shard, it must not watch for the others: writers would
+                        # notify at every commit while they work.
+                        self._wake.busy()
+                        self._stop.wait(self._sleep_timeout())
                     else:
                         self._wake.idle(self._sleep_timeout())
                 except (
@@ -213,6 +218,7 @@ class Relay:
                 except (KafkaException, TimeoutError) as error:
                     self.health.kafka_ok = False
                     self._give_up_watch()
+                    self._not_serving()
                     # TimeoutError: Kafka did not answer in time (progress reads in a take-over).
                     if (
                         isinstance(error, KafkaException)
@@ -358,6 +364,9 @@ class Relay:
         self.health.batch_done(progressed=bool(acks or failures) or self._stop.is_set())
         if acks:
             self.health.kafka_ok = True
+            self._ownership.mark_serving()
+        elif any(failure.delay is not None for failure in failures):
+            self._ownership.mark_failing()  # nothing got through, and it will be retried
         self._observe(records, acks, failures, acked_at)
         for record in records:
             self._rows.pop(record.id, None)
@@ -420,6 +429,15 @@ class Relay:
             # Closed with the connection, the locks cannot outlive what this relay knows.
             self._lost_database(error)
 
+    def _not_serving(self) -> None:
+        """Kafka failed this relay: no other relay steps aside on its account."""
+        if self._ownership is None or self._conn is None or self._conn.closed:
+            return
+        try:
+            self._ownership.mark_failing()
+        except psycopg.Error as error:
+            self._lost_database(error)
+
     def _sleep_timeout(self) -> float:
         """How long an idle relay may sleep: until the poll interval or the next rebalance."""
         return min(self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic()))
@@ -457,6 +475,7 @@ class Relay:
         self._conn.execute("SET tcp_keepalives_count = 3")
         self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
         self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
+        self._failed_take_overs = 0
         self._wake = WakeUp(self._conn, self.config.spec)
         self.health.database_ok = True
         self._next_rebalance = 0.0
@@ -495,7 +514,7 @@ class Relay:
         self._next_rebalance = now + self.config.rebalance_interval
         self._publisher.serve_events()
         if not self._ownership.joined:
-            if now < self._rejoin_at and self._ownership.other_members() > 0:
+            if now < self._rejoin_at and self._ownership.others_serving() > 0:
                 return  # stepped aside: the others serve its share meanwhile
             # A relay that cannot publish must not count as a member: each member lowers the
             # others' share, and the shards they let go would wait for it.
@@ -526,6 +545,7 @@ class Relay:
         except KafkaException as error:
             log.warning("Kafka out of reach (%s); taking no shards", error.args[0])
             self.health.kafka_ok = False
+            self._ownership.mark_failing()  # type: ignore[union-attr]
             return False
         self.health.kafka_ok = True
         return True
@@ -559,10 +579,13 @@ class Relay:
         member serves (ShardOwnership.step_aside): this relay's path to Kafka, not Kafka, may
         be what is broken, and its share would otherwise wait for it."""
         assert self._ownership is not None and self._publisher is not None
-        self._failed_take_overs += 1
-        if self._failed_take_overs < FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE:
-            return
         self._ownership.mark_failing()
+        self._failed_take_overs += 1
+        if (
+            self._failed_take_overs < FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
+            or self._ownership.others_serving() == 0
+        ):
+            return
         self._drain()  # nothing of a shard may be in flight when it is let go
         released = self._ownership.step_aside()
         if released is None:

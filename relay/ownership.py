@@ -9,10 +9,12 @@ rebalance interval. TCP keepalives bound how long a silently vanished relay can 
 Rebalancing is simple and converges: with ``m`` live members each relay aims at
 ``ceil(shards / m)``; it lets go of shards above that and tries to lock free ones below it.
 
-A member also holds a *serving* lock while its take-overs work. One whose take-overs keep
-failing drops it, and may step aside (:meth:`step_aside`): leave the members, so that the
-others' share grows to cover its shards. It may do so only while another member still
-serves, decided under one lock that all relays share: so the members never all step aside.
+A member also holds a *serving* lock while it has shown that it can publish (a take-over
+that worked, a batch acknowledged) and nothing has failed since. One whose take-overs keep
+failing may step aside (:meth:`step_aside`): leave the members, so that the others' share
+grows to cover its shards. It may do so only while another member serves, decided under one
+lock that all relays share: so the members never all step aside, and none steps aside on
+account of a relay that is failing too.
 """
 
 from __future__ import annotations
@@ -58,10 +60,9 @@ class ShardOwnership:
                 "SELECT pg_advisory_lock(%s, %s)", (self._members_key, self.member_number)
             )
             self.joined = True
-            self.mark_serving()
 
     def mark_serving(self) -> None:
-        """Say that this member's take-overs work (a member serves until one fails)."""
+        """Say that this member publishes (a take-over worked, a batch was acknowledged)."""
         if self.joined and not self.serving:
             self.conn.execute(
                 "SELECT pg_advisory_lock(%s, %s)", (self._serving_key, self.member_number)
@@ -69,8 +70,8 @@ class ShardOwnership:
             self.serving = True
 
     def mark_failing(self) -> None:
-        """Say that this member's take-overs fail: no other member steps aside on its
-        account."""
+        """Say that this member does not publish now (a take-over or a batch failed, Kafka is
+        out of reach): no other member steps aside on its account."""
         if self.serving:
             self.conn.execute(
                 "SELECT pg_advisory_unlock(%s, %s)", (self._serving_key, self.member_number)
@@ -89,7 +90,7 @@ class ShardOwnership:
         if not (got and got[0]):
             return None
         try:
-            if self._holders(self._serving_key, others_only=True) == 0:
+            if self.others_serving() == 0:
                 return None
             self.mark_failing()
             released = self.release_all()
@@ -105,9 +106,9 @@ class ShardOwnership:
         """Live members, this one counted whether it is one or not (at least 1)."""
         return max(1, self._holders(self._members_key))
 
-    def other_members(self) -> int:
-        """Live members other than this relay."""
-        return self._holders(self._members_key, others_only=True)
+    def others_serving(self) -> int:
+        """Members other than this relay that serve."""
+        return self._holders(self._serving_key, others_only=True)
 
     def _holders(self, key: int, others_only: bool = False) -> int:
         """How many sessions hold a lock of the lock space ``key``."""

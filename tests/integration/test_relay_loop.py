@@ -469,20 +469,99 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
         assert len(healthy_stub.acked) == 500 and by_key_in_seq_order(healthy_stub.acked)
 
 
-def test_relays_whose_take_overs_all_fail_never_all_step_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
-    """Each sees the other as a member when it decides: without the shared decision and the
-    serving locks, both step aside and nobody owns the shards."""
+def test_relays_whose_take_overs_all_fail_never_step_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    """Kafka is unwell for both: neither has shown it can publish, so neither steps aside on
+    the other's account (without the serving locks each sees the other as a member, and
+    both step aside)."""
     stubs = [FailingTakeOvers(), FailingTakeOvers()]
     relays = [Relay(config(outbox_url), publisher=stub) for stub in stubs]
-    both_out = 0
-    with looping(relays[0]), looping(relays[1]):
-        deadline = time.monotonic() + 6
-        while time.monotonic() < deadline:
-            both_out += all(relay.health.stepped_aside for relay in relays)
-            time.sleep(0.01)
-        assert all(stub.failures >= 4 for stub in stubs)
-    assert both_out == 0
-    assert not any(relay.step_asides for relay in relays)
+    with looping(relays[0]):
+        wait_for(lambda: stubs[0].failures >= 1)
+        with looping(relays[1]):  # joins while the first one has failed once
+            wait_for(lambda: all(stub.failures >= 4 for stub in stubs), 30)
+            assert not any(relay.step_asides for relay in relays)
+
+
+class BreakablePublisher(StubPublisher):
+    """Take-overs fail the first ``fail_first`` times and while ``fail`` is set; while
+    ``unreachable`` is set the reachability probe fails too."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        super().__init__()
+        self.fail_first = fail_first
+        self.fail = False
+        self.unreachable = False
+        self.failures = 0
+        self.on_failure: Callable[[], None] = lambda: None
+
+    def check_reachable(self, timeout: float) -> None:
+        if self.unreachable:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "stub: unreachable"))
+
+    def take_over(self, shards: Sequence[int]) -> list[Ack]:
+        if self.fail or self.unreachable or self.failures < self.fail_first:
+            self.failures += 1
+            self.on_failure()
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "stub: no answer"))
+        return []
+
+
+@pytest.mark.parametrize("how", ["its take-overs fail", "Kafka is out of its reach"])
+def test_a_relay_that_stepped_aside_comes_back_when_the_one_it_left_its_share_to_fails(  # type: ignore[no-untyped-def]
+    engine, outbox_url, monkeypatch, how
+) -> None:
+    """A steps aside for B; then B stops serving. A, healthy again, must not wait out its
+    pause (30 s here) while its share has nobody who can send it."""
+    from outbox.relay import daemon
+
+    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 30.0)
+    b_stub, a_stub = BreakablePublisher(), BreakablePublisher(fail_first=2)
+
+    def break_b() -> None:  # as A fails for the second time, before B takes A's share back
+        if a_stub.failures < 2:
+            return
+        if how == "its take-overs fail":
+            b_stub.fail = True
+        else:
+            b_stub.unreachable = True
+
+    a_stub.on_failure = break_b
+    b = Relay(config(outbox_url), publisher=b_stub)
+    a = Relay(config(outbox_url), publisher=a_stub)
+    with looping(b):
+        wait_for(lambda: owns_all(b))
+        with looping(a):
+            wait_for(lambda: a.step_asides == 1)
+            publish(engine, 400, keys=100)
+            # B cannot take A's share any more: A comes back for it.
+            wait_for(lambda: statuses(engine) == {"sent": 400}, 10)
+            assert not a.health.stepped_aside
+            assert a._ownership is not None and a._ownership.joined and a._ownership.owned
+
+
+def test_a_relay_that_stepped_aside_does_not_watch_for_the_others(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    """Owning nothing, it is always idle: if it held the wake lock while the others work,
+    every writer would notify at commit."""
+    healthy_stub, failing_stub = StubPublisher(latency=0.5), FailingTakeOvers()
+    healthy = Relay(config(outbox_url), publisher=healthy_stub)
+    failing = Relay(config(outbox_url), publisher=failing_stub)
+    with looping(healthy):
+        wait_for(lambda: owns_all(healthy))
+        with looping(failing):
+            wait_for(lambda: failing.health.stepped_aside)
+            publish(engine, 5000, keys=100)  # the healthy relay is busy for a while
+            time.sleep(1.0)
+            assert failing._conn is not None
+            pid = failing._conn.info.backend_pid
+            with engine.connect() as conn:
+                holders = conn.execute(
+                    sa.text(
+                        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                        "AND classid = CAST(CAST(:space AS bigint) AS oid) AND objsubid = 2"
+                    ),
+                    {"space": failing.config.spec.wake_lock[0]},
+                ).scalars()
+                assert pid not in set(holders)
 
 
 def test_the_last_relay_never_steps_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
