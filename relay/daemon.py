@@ -61,6 +61,9 @@ GAUGE_INTERVAL = 5.0
 MAX_ERROR_PAUSE = 10.0
 #: Seconds a broker has to answer the metadata request that shows Kafka is in reach.
 KAFKA_PROBE_TIMEOUT = 5.0
+#: A relay whose batch was acknowledged this many seconds ago or less is in Kafka's reach:
+#: it takes shards (a dead relay's, say) without probing first.
+RECENT_ACK_SECONDS = 2.0
 #: Seconds before a relay takes back a shard whose producer could not go on.
 LOST_SHARD_HOLD_OFF = 5.0
 #: Take-overs that fail in a row before a relay tries to step aside (leave the members), so
@@ -138,6 +141,7 @@ class Relay:
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self._failed_take_overs = 0
+        self._last_ack = float("-inf")
         #: Steps aside in a row, and when this relay may join again after the last one.
         self.step_asides = 0
         self._rejoin_at = 0.0
@@ -364,6 +368,7 @@ class Relay:
         self.health.batch_done(progressed=bool(acks or failures) or self._stop.is_set())
         if acks:
             self.health.kafka_ok = True
+            self._last_ack = now
             self._ownership.mark_serving()
         elif any(failure.delay is not None for failure in failures):
             self._ownership.mark_failing()  # nothing got through, and it will be retried
@@ -540,6 +545,8 @@ class Relay:
     def _kafka_reachable(self) -> bool:
         """Probe Kafka before taking shards: a relay out of its reach takes none."""
         assert self._publisher is not None
+        if time.monotonic() - self._last_ack <= RECENT_ACK_SECONDS:
+            return True  # a batch just got through: no probe to delay the take-over
         try:
             self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
         except KafkaException as error:
