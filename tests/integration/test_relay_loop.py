@@ -589,3 +589,44 @@ def test_a_relay_that_stepped_aside_comes_back_at_once_when_no_member_is_left(  
         wait_for(lambda: not failing.health.stepped_aside, 5)
         assert time.monotonic() - rejoined < 5
         assert failing._ownership is not None and failing._ownership.joined
+
+
+class CountingProbes(StubPublisher):
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = 0
+
+    def check_reachable(self, timeout: float) -> None:
+        self.probes += 1
+
+
+def test_a_relay_whose_batches_get_through_takes_a_dead_relays_shards_without_probing(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """A probe costs a round trip to a broker (more under network latency) before the shards
+    of a dead relay get their new owner; a batch acknowledged just now says as much."""
+    survivor_stub = CountingProbes()
+    survivor = Relay(config(outbox_url), publisher=survivor_stub)
+    writing = threading.Event()
+
+    def write_steadily() -> None:
+        while writing.is_set():
+            publish(engine, 20, keys=20)
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=write_steadily)
+    with looping(survivor):
+        with looping(Relay(config(outbox_url), publisher=StubPublisher())):
+            wait_for(lambda: survivor._ownership is not None and survivor._ownership.owned)
+            wait_for(lambda: not owns_all(survivor))
+            writing.set()
+            writer.start()
+            wait_for(lambda: survivor.health.kafka_ok and survivor._last_ack > 0)
+            probes = survivor_stub.probes
+        # The other relay is gone: the survivor, whose batches keep getting through, takes its
+        # shards over.
+        wait_for(lambda: owns_all(survivor), 5)
+        writing.clear()
+        writer.join()
+        wait_for(lambda: set(statuses(engine)) == {"sent"})
+    assert survivor_stub.probes == probes
