@@ -206,12 +206,24 @@ def _print_report(body: dict[str, object]) -> None:
             f"{consuming['order_violations']}",
         ]
     handover = body.get("handover")
+    per_shard = body.get("handover_per_shard")
     if isinstance(handover, dict):
-        lines += [
-            f"shards ownerless   after {kind}: {f['gaps']} gaps, p50 {f['p50_s']} s, "
-            f"longest {f['max_s']} s, never closed {f['never_closed']}"
-            for kind, f in handover.items()
-        ]
+        per_shard = per_shard if isinstance(per_shard, dict) else {}
+        for kind in sorted({*handover, *per_shard}):
+            parts = []
+            if kind in handover:
+                f = handover[kind]
+                parts.append(
+                    f"{f['gaps']} gaps, p50 {f['p50_s']} s, longest {f['max_s']} s, "
+                    f"never closed {f['never_closed']}"
+                )
+            if kind in per_shard:
+                f = per_shard[kind]
+                parts.append(
+                    f"each shard: {f['gaps']} times, p50 {f['p50_s']} s, longest {f['max_s']} s, "
+                    f"never closed {f['never_closed']}"
+                )
+            lines.append(f"shards ownerless   after {kind}: " + "; ".join(parts))
     lines += [f"VIOLATION: {v}" for v in body["violations"]]  # type: ignore[attr-defined]
     lines.append(f"verdict            {body['verdict']}")
     for line in lines:

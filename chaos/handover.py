@@ -2,7 +2,10 @@
 
 A thread looks at ``pg_locks`` every ``interval`` seconds on a connection of its own (straight
 to PostgreSQL, past the fault proxy) and counts the shard locks held. Each stretch with fewer
-than every shard owned is a *gap*; after the run each gap is put down to the fault that was
+than every shard owned is a *gap*, and so, shard by shard, is each stretch a shard spends
+without an owner (a *shard gap*: several shards ownerless one after the other, as faults
+overlap, make one long gap of short shard gaps); after the run each gap is put down to the
+fault that was
 last injected when it opened, and to whether it opened while that fault held or after its
 heal: a relay killed with -9 gives the time until the survivors own its shards, its restart
 (after the heal) the time until the shards the others let go for it are taken.
@@ -51,7 +54,9 @@ class ShardWatch:
         self.shard_space = (spec or OutboxTableSpec()).lock_space("shard")
         self.interval = interval
         self.gaps: list[Gap] = []
+        self.shard_gaps: list[Gap] = []
         self._opened: float | None = None
+        self._shard_opened: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shard-watch", daemon=True)
 
@@ -65,6 +70,8 @@ class ShardWatch:
         if self._opened is not None:
             self.gaps.append(Gap(self._opened, None))
             self._opened = None
+        self.shard_gaps += [Gap(opened, None) for opened in self._shard_opened.values()]
+        self._shard_opened.clear()
         return self.gaps
 
     def _watch(self) -> None:
@@ -85,22 +92,29 @@ class ShardWatch:
         if conn is not None:
             conn.close()
 
-    def _owned(self, conn: psycopg.Connection) -> int:
-        row = conn.execute(
-            "SELECT count(DISTINCT objid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    def _owned(self, conn: psycopg.Connection) -> frozenset[int]:
+        rows = conn.execute(
+            "SELECT DISTINCT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted"
             " AND objsubid = 2 AND classid = %s::bigint::oid"
             " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             (self.shard_space,),
-        ).fetchone()
-        return int(row[0]) if row else 0
+        ).fetchall()
+        return frozenset(int(row[0]) for row in rows)
 
-    def _saw(self, owned: int) -> None:
+    def _saw(self, owned: frozenset[int]) -> None:
         now = self.clock()
-        if owned < SHARD_COUNT and self._opened is None:
+        if len(owned) < SHARD_COUNT and self._opened is None:
             self._opened = now
-        elif owned >= SHARD_COUNT and self._opened is not None:
+        elif len(owned) >= SHARD_COUNT and self._opened is not None:
             self.gaps.append(Gap(self._opened, now))
             self._opened = None
+        for shard in range(SHARD_COUNT):
+            opened = self._shard_opened.get(shard)
+            if shard not in owned and opened is None:
+                self._shard_opened[shard] = now
+            elif shard in owned and opened is not None:
+                self.shard_gaps.append(Gap(opened, now))
+                del self._shard_opened[shard]
 
 
 def by_fault(gaps: list[Gap], faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

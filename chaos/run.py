@@ -453,8 +453,12 @@ class ChaosRun:
             "uncertain_committed": len(uncertain_present),
             "relay_term_exit_codes": self.fleet.term_exits if self.fleet else [],
             "writer_processes": self.writer_fleet.figures() if self.writer_fleet else {},
-            # Seconds until every shard had an owner again, by the fault that opened the gap.
+            # Seconds until every shard had an owner again, by the fault that opened the gap;
+            # and until each shard had one.
             "handover": by_fault(self.shard_watch.gaps, self.log.faults)
+            if self.shard_watch
+            else {},
+            "handover_per_shard": by_fault(self.shard_watch.shard_gaps, self.log.faults)
             if self.shard_watch
             else {},
             "output": str(self.settings.output),

@@ -426,9 +426,10 @@ def test_a_writer_killed_after_writing_its_last_transaction_down_leaves_it_uncer
 def test_ownership_gaps_are_timed_and_put_down_to_the_last_fault_before_them() -> None:
     clock = iter([1.0, 1.1, 2.5, 2.6, 10.0, 10.4, 11.0, 20.0, 30.0])
     watch = ShardWatch("", lambda: next(clock))
-    for owned in (SHARD_COUNT, SHARD_COUNT - 11, SHARD_COUNT, SHARD_COUNT):  # 1.0 .. 2.6
+    every = frozenset(range(SHARD_COUNT))
+    for owned in (every, every - set(range(11)), every, every):  # 1.0 .. 2.6
         watch._saw(owned)
-    for owned in (0, 5, SHARD_COUNT, SHARD_COUNT - 1):  # a restart, 10.0 .. 20.0
+    for owned in (frozenset(), frozenset(range(5)), every, every - {3}):  # a restart, 10 .. 20
         watch._saw(owned)
     gaps = watch.stop()
     assert [(g.opened, g.closed) for g in gaps] == [(1.1, 2.5), (10.0, 11.0), (20.0, None)]
@@ -447,6 +448,23 @@ def test_ownership_gaps_are_timed_and_put_down_to_the_last_fault_before_them() -
         },
     }
     assert by_fault([Gap(0.5, 0.7)], faults)["start"]["gaps"] == 1
+
+
+def test_each_shard_is_timed_without_an_owner_apart_from_the_others() -> None:
+    """Shards lost one after the other make one long gap of the whole, and short ones each."""
+    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    watch = ShardWatch("", lambda: next(clock))
+    every = frozenset(range(SHARD_COUNT))
+    for owned in (every, every - {0}, every - {1}, every - {2}, every - {2}, every - {4}):
+        watch._saw(owned)
+    watch.stop()
+    assert [(g.opened, g.closed) for g in watch.gaps] == [(1.0, None)]
+    assert sorted((g.opened, g.closed) for g in watch.shard_gaps) == [
+        (1.0, 2.0),
+        (2.0, 3.0),
+        (3.0, 5.0),
+        (5.0, None),
+    ]
 
 
 @pytest.mark.parametrize("seed", range(40))
