@@ -73,6 +73,15 @@ FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE = 2
 #: the longest. A take-over that works resets both counts.
 STEP_ASIDE_SECONDS = 10.0
 LONGEST_STEP_ASIDE_SECONDS = 160.0
+#: A member that has not shown for this long that it reaches Kafka (an acknowledged batch, a
+#: take-over, a probe) asks again at its next rebalance: whether it serves must stay true
+#: while it idles, or waits on batches that Kafka does not answer.
+SERVING_REFRESH_SECONDS = 5.0
+#: How long that probe may take (it holds up the loop).
+SERVING_PROBE_TIMEOUT = 1.0
+#: Seconds a relay that stepped aside waits, when members are left but none serves, before
+#: it joins again (a blip that turned one batch back is no reason to come back).
+NOBODY_SERVING_GRACE = 3.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
@@ -142,6 +151,10 @@ class Relay:
         self._next_gauge = 0.0
         self._failed_take_overs = 0
         self._last_ack = float("-inf")
+        #: When this relay last showed that it reaches Kafka (an ack, a take-over, a probe).
+        self._last_reached = float("-inf")
+        self._nobody_serving_since: float | None = None
+        self._probed_at = float("-inf")
         #: Steps aside in a row, and when this relay may join again after the last one.
         self.step_asides = 0
         self._rejoin_at = 0.0
@@ -368,9 +381,9 @@ class Relay:
         self.health.batch_done(progressed=bool(acks or failures) or self._stop.is_set())
         if acks:
             self.health.kafka_ok = True
-            self._last_ack = now
+            self._last_ack = self._last_reached = now
             self._ownership.mark_serving()
-        elif any(failure.delay is not None for failure in failures):
+        elif lost_shards or any(failure.delay is not None for failure in failures):
             self._ownership.mark_failing()  # nothing got through, and it will be retried
         self._observe(records, acks, failures, acked_at)
         for record in records:
@@ -518,15 +531,16 @@ class Relay:
         assert self._ownership is not None and self._publisher is not None
         self._next_rebalance = now + self.config.rebalance_interval
         self._publisher.serve_events()
+        if not self._ownership.joined and self._stays_aside(now):
+            return  # stepped aside: the others serve its share meanwhile
         if not self._ownership.joined:
-            if now < self._rejoin_at and self._ownership.others_serving() > 0:
-                return  # stepped aside: the others serve its share meanwhile
             # A relay that cannot publish must not count as a member: each member lowers the
             # others' share, and the shards they let go would wait for it.
             self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
             self.health.kafka_ok = True
             self._ownership.join()
             self.health.stepped_aside = False
+        self._refresh_serving(now)
         # A shard changes hands only with no batch of it in flight: the batches in flight
         # finish first when shards are to be let go (gained shards have none).
         gained, lost = self._ownership.rebalance(
@@ -572,6 +586,7 @@ class Relay:
                 self._take_over_failed()
             raise
         self._failed_take_overs = self.step_asides = 0
+        self._last_reached = time.monotonic()
         self._ownership.mark_serving()
         log.info(
             "took over shards %s (%d rows marked sent from committed progress, "
@@ -600,7 +615,10 @@ class Relay:
         self._publisher.let_go(released)
         pause = min(LONGEST_STEP_ASIDE_SECONDS, STEP_ASIDE_SECONDS * 2**self.step_asides)
         self.step_asides += 1
-        self._failed_take_overs = 0
+        # Back in, one more failed take-over sends it aside again: each return costs the
+        # healthy relays a hand-over and leaves its share unsent while the take-over fails.
+        self._failed_take_overs = FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE - 1
+        self._nobody_serving_since = None
         self._rejoin_at = time.monotonic() + pause
         self.health.stepped_aside = True
         self.metrics.owned_shards.set(0)
@@ -610,6 +628,43 @@ class Relay:
             pause,
             released,
         )
+
+    def _stays_aside(self, now: float) -> bool:
+        """A relay that stepped aside stays out until its pause ends, unless its share has
+        nobody to send it: no member left (at once), or none serving for a few seconds."""
+        assert self._ownership is not None
+        if now >= self._rejoin_at:
+            return False
+        if self._ownership.others_serving() > 0:
+            self._nobody_serving_since = None
+            return True
+        if self._ownership.other_members() == 0:
+            return False
+        if self._nobody_serving_since is None:
+            self._nobody_serving_since = now
+        return now - self._nobody_serving_since < NOBODY_SERVING_GRACE
+
+    def _refresh_serving(self, now: float) -> None:
+        """Keep the serving lock true when nothing has said for a while whether this relay
+        reaches Kafka: batches in flight that Kafka does not answer mean it does not; an
+        idle relay asks a broker."""
+        assert self._ownership is not None and self._publisher is not None
+        if now - max(self._last_reached, self._probed_at) <= SERVING_REFRESH_SECONDS:
+            return
+        if self._busy_shards:
+            oldest = min(began for _, began, _ in self._busy_shards.values())
+            if now - oldest > SERVING_REFRESH_SECONDS:
+                self._ownership.mark_failing()
+            return
+        self._probed_at = now
+        try:
+            self._publisher.check_reachable(SERVING_PROBE_TIMEOUT)
+        except KafkaException:
+            self._ownership.mark_failing()
+            return
+        self._last_reached = now
+        if self._failed_take_overs == 0:
+            self._ownership.mark_serving()
 
     def _lost_database(self, error: Exception) -> None:
         log.error("database unreachable: %s", mask_secrets(str(error).splitlines()[0]))

@@ -106,6 +106,10 @@ class ShardOwnership:
         """Live members, this one counted whether it is one or not (at least 1)."""
         return max(1, self._holders(self._members_key))
 
+    def other_members(self) -> int:
+        """Live members other than this relay."""
+        return self._holders(self._members_key, others_only=True)
+
     def others_serving(self) -> int:
         """Members other than this relay that serve."""
         return self._holders(self._serving_key, others_only=True)

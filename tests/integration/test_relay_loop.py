@@ -459,9 +459,9 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
         assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
         assert owns_all(healthy)
         assert not failing.health.ready and "stepped aside" in failing.health.not_ready_because()
-        # Back after its pause, it fails again and stays out twice as long.
+        # Back after its pause, one failed take-over sends it out again, twice as long.
         wait_for(lambda: failing.step_asides == 2, 20)
-        assert failing_stub.failures == 2 * daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
+        assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE + 1
         # Its return made the healthy relay give it a share for a moment; it takes it back.
         wait_for(lambda: owns_all(healthy), 5)
         publish(engine, 100, keys=100)
@@ -537,6 +537,56 @@ def test_a_relay_that_stepped_aside_comes_back_when_the_one_it_left_its_share_to
             wait_for(lambda: statuses(engine) == {"sent": 400}, 10)
             assert not a.health.stepped_aside
             assert a._ownership is not None and a._ownership.joined and a._ownership.owned
+
+
+def test_no_relay_steps_aside_for_an_idle_one_that_kafka_no_longer_answers(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """B served once, then Kafka went out of everyone's reach while B idled: its probe says
+    so, and A, whose take-overs fail, stays (without the probe, B would serve for good)."""
+    b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
+    b = Relay(config(outbox_url), publisher=b_stub)
+    a = Relay(config(outbox_url), publisher=a_stub)
+    with looping(b):
+        wait_for(lambda: owns_all(b))
+        assert b._ownership is not None and b._ownership.serving
+        b_stub.unreachable = True
+        wait_for(lambda: not b._ownership.serving, 15)  # type: ignore[union-attr]
+        a_stub.fail = True  # its probe passes, its take-overs fail
+        with looping(a):
+            wait_for(lambda: a_stub.failures >= 4, 30)
+            assert a.step_asides == 0
+
+
+def test_an_idle_relay_serves_again_once_kafka_answers_it(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    """B had a batch turned back (a blip), then no traffic: its probe shows it can serve
+    again, so A, whose take-overs keep failing, hands its share to B instead of holding it
+    unsent."""
+    from outbox.schema import shard_of
+
+    b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
+    b = Relay(config(outbox_url), publisher=b_stub)
+    a = Relay(config(outbox_url), publisher=a_stub)
+    with looping(b):
+        wait_for(lambda: owns_all(b))
+        b_stub.decide = lambda record: "retry"
+        publish(engine, 1, keys=1)
+        wait_for(lambda: "pending" not in statuses(engine))  # retried, then dead
+        b_stub.decide = lambda record: "ack"
+        assert b._ownership is not None and not b._ownership.serving
+        a_stub.fail = True
+        with looping(a):
+            wait_for(lambda: a_stub.failures >= 2, 30)
+            b_shards = set(b._ownership.owned)
+            key = next(
+                f"x{n}"
+                for n in range(1000)
+                if shard_of(f"x{n}".encode(), uuid.uuid4()) not in b_shards
+            )
+            with Outbox(engine).transaction() as tx:
+                tx.publish("loop", {"n": 1}, key=key)
+            wait_for(lambda: statuses(engine).get("pending", 0) == 0, 15)
+            assert a.step_asides >= 1
 
 
 def test_a_relay_that_stepped_aside_does_not_watch_for_the_others(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
