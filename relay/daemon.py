@@ -73,15 +73,19 @@ FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE = 2
 #: the longest. A take-over that works resets both counts.
 STEP_ASIDE_SECONDS = 10.0
 LONGEST_STEP_ASIDE_SECONDS = 160.0
-#: A member that has not shown for this long that it reaches Kafka (an acknowledged batch, a
-#: take-over, a probe) asks again at its next rebalance: whether it serves must stay true
-#: while it idles, or waits on batches that Kafka does not answer.
+#: An exactly-once member that has not shown for this long that it reaches Kafka (an
+#: acknowledged batch, a take-over, a probe) asks a broker at its next rebalance, when idle:
+#: whether it serves must stay true while it idles.
 SERVING_REFRESH_SECONDS = 5.0
-#: How long that probe may take (it holds up the loop).
-SERVING_PROBE_TIMEOUT = 1.0
+#: Batches in flight this long with nothing acknowledged: the relay does not serve.
+UNANSWERED_SECONDS = 15.0
+#: A failed take-over this recent keeps an idle relay's probe from making it serve again;
+#: one older than the longest is forgotten when the next one fails.
+RECENT_FAILURE_SECONDS = 15.0
+FAILED_TAKE_OVERS_FORGOTTEN_SECONDS = 300.0
 #: Seconds a relay that stepped aside waits, when members are left but none serves, before
 #: it joins again (a blip that turned one batch back is no reason to come back).
-NOBODY_SERVING_GRACE = 3.0
+NOBODY_SERVING_GRACE = 5.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
@@ -150,6 +154,7 @@ class Relay:
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self._failed_take_overs = 0
+        self._last_failed_take_over = float("-inf")
         self._last_ack = float("-inf")
         #: When this relay last showed that it reaches Kafka (an ack, a take-over, a probe).
         self._last_reached = float("-inf")
@@ -493,7 +498,6 @@ class Relay:
         self._conn.execute("SET tcp_keepalives_count = 3")
         self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
         self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
-        self._failed_take_overs = 0
         self._wake = WakeUp(self._conn, self.config.spec)
         self.health.database_ok = True
         self._next_rebalance = 0.0
@@ -538,6 +542,7 @@ class Relay:
             # others' share, and the shards they let go would wait for it.
             self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
             self.health.kafka_ok = True
+            self._last_reached = time.monotonic()
             self._ownership.join()
             self.health.stepped_aside = False
         self._refresh_serving(now)
@@ -569,6 +574,7 @@ class Relay:
             self._ownership.mark_failing()  # type: ignore[union-attr]
             return False
         self.health.kafka_ok = True
+        self._last_reached = time.monotonic()
         return True
 
     def _take_over(self, shards: list[int]) -> None:
@@ -586,6 +592,7 @@ class Relay:
                 self._take_over_failed()
             raise
         self._failed_take_overs = self.step_asides = 0
+        self._rejoin_at = 0.0
         self._last_reached = time.monotonic()
         self._ownership.mark_serving()
         log.info(
@@ -602,6 +609,10 @@ class Relay:
         be what is broken, and its share would otherwise wait for it."""
         assert self._ownership is not None and self._publisher is not None
         self._ownership.mark_failing()
+        now = time.monotonic()
+        if now - self._last_failed_take_over > FAILED_TAKE_OVERS_FORGOTTEN_SECONDS:
+            self._failed_take_overs = 0
+        self._last_failed_take_over = now
         self._failed_take_overs += 1
         if (
             self._failed_take_overs < FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
@@ -621,6 +632,7 @@ class Relay:
         self._nobody_serving_since = None
         self._rejoin_at = time.monotonic() + pause
         self.health.stepped_aside = True
+        self.health.batch_done(progressed=True)  # owning nothing, it has nothing to be stuck on
         self.metrics.owned_shards.set(0)
         log.warning(
             "shard take-overs keep failing: stepping aside for up to %.0fs (released shards "
@@ -649,21 +661,23 @@ class Relay:
         reaches Kafka: batches in flight that Kafka does not answer mean it does not; an
         idle relay asks a broker."""
         assert self._ownership is not None and self._publisher is not None
-        if now - max(self._last_reached, self._probed_at) <= SERVING_REFRESH_SECONDS:
-            return
+        if not self.config.exactly_once:
+            return  # its take-overs ask nothing of Kafka: it never steps aside
         if self._busy_shards:
             oldest = min(began for _, began, _ in self._busy_shards.values())
-            if now - oldest > SERVING_REFRESH_SECONDS:
+            if now - max(oldest, self._last_ack) > UNANSWERED_SECONDS:
                 self._ownership.mark_failing()
+            return
+        if now - max(self._last_reached, self._probed_at) <= SERVING_REFRESH_SECONDS:
             return
         self._probed_at = now
         try:
-            self._publisher.check_reachable(SERVING_PROBE_TIMEOUT)
+            self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
         except KafkaException:
             self._ownership.mark_failing()
             return
         self._last_reached = now
-        if self._failed_take_overs == 0:
+        if now - self._last_failed_take_over > RECENT_FAILURE_SECONDS:
             self._ownership.mark_serving()
 
     def _lost_database(self, error: Exception) -> None:

@@ -422,6 +422,11 @@ def test_marks_wait_for_the_disk_flush_only_where_a_forgotten_mark_would_duplica
     assert marking == "on"
 
 
+def eos_config(outbox_url: str) -> RelayConfig:
+    """Take-overs ask Kafka for something only exactly-once: only there do they fail."""
+    return config(outbox_url, mode="exactly-once")
+
+
 class FailingTakeOvers(StubPublisher):
     """A relay whose shard take-overs always time out (its own path to Kafka is broken)."""
 
@@ -449,8 +454,8 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
 
     monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 1.5)
     healthy_stub, failing_stub = StubPublisher(), FailingTakeOvers()
-    healthy = Relay(config(outbox_url), publisher=healthy_stub)
-    failing = Relay(config(outbox_url), publisher=failing_stub)
+    healthy = Relay(eos_config(outbox_url), publisher=healthy_stub)
+    failing = Relay(eos_config(outbox_url), publisher=failing_stub)
     with looping(healthy), looping(failing):
         wait_for(lambda: failing.health.stepped_aside)
         assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
@@ -474,7 +479,7 @@ def test_relays_whose_take_overs_all_fail_never_step_aside(engine, outbox_url) -
     the other's account (without the serving locks each sees the other as a member, and
     both step aside)."""
     stubs = [FailingTakeOvers(), FailingTakeOvers()]
-    relays = [Relay(config(outbox_url), publisher=stub) for stub in stubs]
+    relays = [Relay(eos_config(outbox_url), publisher=stub) for stub in stubs]
     with looping(relays[0]):
         wait_for(lambda: stubs[0].failures >= 1)
         with looping(relays[1]):  # joins while the first one has failed once
@@ -526,8 +531,8 @@ def test_a_relay_that_stepped_aside_comes_back_when_the_one_it_left_its_share_to
             b_stub.unreachable = True
 
     a_stub.on_failure = break_b
-    b = Relay(config(outbox_url), publisher=b_stub)
-    a = Relay(config(outbox_url), publisher=a_stub)
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
     with looping(b):
         wait_for(lambda: owns_all(b))
         with looping(a):
@@ -545,11 +550,10 @@ def test_no_relay_steps_aside_for_an_idle_one_that_kafka_no_longer_answers(  # t
     """B served once, then Kafka went out of everyone's reach while B idled: its probe says
     so, and A, whose take-overs fail, stays (without the probe, B would serve for good)."""
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
-    b = Relay(config(outbox_url), publisher=b_stub)
-    a = Relay(config(outbox_url), publisher=a_stub)
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
     with looping(b):
-        wait_for(lambda: owns_all(b))
-        assert b._ownership is not None and b._ownership.serving
+        wait_for(lambda: owns_all(b) and b._ownership.serving)  # type: ignore[union-attr]
         b_stub.unreachable = True
         wait_for(lambda: not b._ownership.serving, 15)  # type: ignore[union-attr]
         a_stub.fail = True  # its probe passes, its take-overs fail
@@ -565,8 +569,8 @@ def test_an_idle_relay_serves_again_once_kafka_answers_it(engine, outbox_url) ->
     from outbox.schema import shard_of
 
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
-    b = Relay(config(outbox_url), publisher=b_stub)
-    a = Relay(config(outbox_url), publisher=a_stub)
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
     with looping(b):
         wait_for(lambda: owns_all(b))
         b_stub.decide = lambda record: "retry"
@@ -593,8 +597,8 @@ def test_a_relay_that_stepped_aside_does_not_watch_for_the_others(engine, outbox
     """Owning nothing, it is always idle: if it held the wake lock while the others work,
     every writer would notify at commit."""
     healthy_stub, failing_stub = StubPublisher(latency=0.5), FailingTakeOvers()
-    healthy = Relay(config(outbox_url), publisher=healthy_stub)
-    failing = Relay(config(outbox_url), publisher=failing_stub)
+    healthy = Relay(eos_config(outbox_url), publisher=healthy_stub)
+    failing = Relay(eos_config(outbox_url), publisher=failing_stub)
     with looping(healthy):
         wait_for(lambda: owns_all(healthy))
         with looping(failing):
@@ -616,7 +620,7 @@ def test_a_relay_that_stepped_aside_does_not_watch_for_the_others(engine, outbox
 
 def test_the_last_relay_never_steps_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
     failing_stub = FailingTakeOvers()
-    failing = Relay(config(outbox_url), publisher=failing_stub)
+    failing = Relay(eos_config(outbox_url), publisher=failing_stub)
     with looping(failing):
         wait_for(lambda: failing_stub.failures >= 4, 30)
         assert not failing.health.stepped_aside and failing.step_asides == 0
@@ -631,14 +635,108 @@ def test_a_relay_that_stepped_aside_comes_back_at_once_when_no_member_is_left(  
 
     monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 60.0)
     failing_stub = FailingTakeOvers()
-    failing = Relay(config(outbox_url), publisher=failing_stub)
+    failing = Relay(eos_config(outbox_url), publisher=failing_stub)
     with looping(failing):
-        with looping(Relay(config(outbox_url), publisher=StubPublisher())):
+        with looping(Relay(eos_config(outbox_url), publisher=StubPublisher())):
             wait_for(lambda: failing.health.stepped_aside)
         rejoined = time.monotonic()
         wait_for(lambda: not failing.health.stepped_aside, 5)
         assert time.monotonic() - rejoined < 5
         assert failing._ownership is not None and failing._ownership.joined
+
+
+def test_a_relay_that_stepped_aside_after_its_batches_came_back_is_not_reported_stuck(  # type: ignore[no-untyped-def]
+    engine, outbox_url, monkeypatch
+) -> None:
+    """A's batches came back unsent (lost producers) before its take-overs failed and it
+    stepped aside: nothing resets stuck_since while it owns nothing, so /healthz says 'stuck'
+    and a supervisor restarts it (losing its step-aside pause and count)."""
+    from outbox.relay import daemon
+
+    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 30.0)
+    monkeypatch.setattr(daemon, "LOST_SHARD_HOLD_OFF", 0.3)
+    b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
+    a.health.stale_after = 3.0  # 30 s or more for real; the pause runs up to 160 s
+    with looping(b):
+        wait_for(lambda: owns_all(b))
+        with looping(a):
+            wait_for(lambda: a._ownership is not None and len(a._ownership.owned) == 8)
+            a_stub.decide = lambda record: "lost"
+            a_stub.fail = True
+            publish(engine, 400, keys=100)
+            wait_for(lambda: a.health.stepped_aside, 10)
+            wait_for(lambda: statuses(engine) == {"sent": 400}, 10)
+            time.sleep(a.health.stale_after + 0.5)
+            assert a.health.stepped_aside
+            assert a.health.alive, "stepped aside, yet reported " + a.health.not_alive_because()
+
+
+def test_a_relay_back_early_from_stepping_aside_stays_in_after_a_reconnect(  # type: ignore[no-untyped-def]
+    engine, outbox_url, monkeypatch
+) -> None:
+    """A steps aside (60 s pause), comes back early because B stopped serving, and its
+    take-over works. A later database reconnect must not put it back aside: _rejoin_at was
+    never cleared, so it stays out (not joined, owning nothing) while /readyz says ready."""
+    from outbox.relay import daemon
+
+    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 60.0)
+    b_stub, a_stub = BreakablePublisher(), BreakablePublisher(fail_first=2)
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
+    with looping(b):
+        wait_for(lambda: owns_all(b))
+        with looping(a):
+            wait_for(lambda: a.step_asides == 1)
+            b_stub.unreachable = True  # B stops serving: A comes back after the grace
+            wait_for(lambda: a.step_asides == 0, 15)  # back, and its take-over worked
+            b_stub.unreachable = False
+            wait_for(lambda: b._ownership is not None and b._ownership.serving, 15)
+            assert a._conn is not None
+            pid = a._conn.info.backend_pid
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            wait_for(lambda: a._conn is not None and a._conn.info.backend_pid != pid, 10)
+            time.sleep(5)
+            assert not a.health.stepped_aside
+            assert a._ownership is not None and a._ownership.joined, "healthy A stays out"
+
+
+def test_one_failed_take_over_a_while_ago_does_not_keep_an_idle_relay_from_serving(  # type: ignore[no-untyped-def]
+    engine, outbox_url, monkeypatch
+) -> None:
+    """B fails one take-over (C died during a blip), then A joins and B's share shrinks back:
+    B takes nothing over again. Idle, its probe must make it serve once the failure is old,
+    or A, whose take-overs all fail, never steps aside and its share waits unsent."""
+    from outbox.relay import daemon
+
+    monkeypatch.setattr(daemon, "RECENT_FAILURE_SECONDS", 3.0)
+    b_stub, c_stub, a_stub = BreakablePublisher(), StubPublisher(), BreakablePublisher()
+    a_stub.fail = True
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
+    a_joined = threading.Event()
+
+    def blip() -> None:  # B's take-over of C's shards fails once, slowly (init_transactions)
+        b_stub.fail = False
+        a_joined.wait(15)
+
+    b_stub.on_failure = blip
+    with looping(b):
+        with looping(Relay(eos_config(outbox_url), publisher=c_stub)) as c:
+            wait_for(lambda: c._ownership is not None and len(c._ownership.owned) == 8)
+            wait_for(lambda: b._ownership is not None and len(b._ownership.owned) == 8)
+            b_stub.fail = True
+        wait_for(lambda: b_stub.failures == 1)
+        with looping(a):
+            wait_for(lambda: a._ownership is not None and a._ownership.joined)
+            a_joined.set()
+            # B's failure ages, its probe makes it serve, and A steps aside for it.
+            wait_for(lambda: a.step_asides == 1 and owns_all(b), 20)
+            assert b._ownership is not None and b._ownership.serving
+            publish(engine, 100, keys=100)
+            wait_for(lambda: statuses(engine) == {"sent": 100}, 10)
 
 
 class CountingProbes(StubPublisher):
