@@ -68,6 +68,9 @@ class IdempotentSender:
         self._flights: list[Flight] = []
         #: Batches that ended and were not handed out by :meth:`wait` yet.
         self._ended: list[Flight] = []
+        #: Held while a batch is produced: the watchdog's purge waits for it. A purge between
+        #: two records of a batch would fail the first and let the later ones be acknowledged.
+        self._producing = threading.Lock()
         self._watchdog = _DeadlineWatchdog(self._purge_now)
 
     @property
@@ -91,12 +94,13 @@ class IdempotentSender:
         flight = Flight(records, began + timeout, timeout)
         self._flights.append(flight)
         self._watchdog.watch(min(f.deadline for f in self._flights))
-        for position, record in enumerate(records):
-            if not self._produce(flight, record):
-                # The local queue stayed full until the deadline or a shutdown: the rest of
-                # the batch is given back unsent (nothing of it reached the producer).
-                flight.result.not_attempted.extend(r.id for r in records[position:])
-                break
+        with self._producing:
+            for position, record in enumerate(records):
+                if not self._produce(flight, record):
+                    # The local queue stayed full until the deadline or a shutdown: the rest
+                    # of the batch is given back unsent (nothing of it reached the producer).
+                    flight.result.not_attempted.extend(r.id for r in records[position:])
+                    break
         self._settle_finished()
         return flight
 
@@ -216,8 +220,9 @@ class IdempotentSender:
     def _purge_now(self) -> None:
         """The watchdog's call at a deadline the loop may be too busy to meet: purge at once,
         so that librdkafka never times messages out one by one. The loop's next :meth:`wait`
-        turns the purged reports into timeouts."""
-        self.producer.purge(in_queue=True, in_flight=True)
+        turns the purged reports into timeouts. Never while a batch is being produced."""
+        with self._producing:
+            self.producer.purge(in_queue=True, in_flight=True)
 
     def _guarded(self, call: Callable[[], object]) -> None:
         """Run a producer call; a fatal error raised from it ends every batch in flight."""
