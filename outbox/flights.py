@@ -162,12 +162,17 @@ class IdempotentSender:
                 flight.outstanding += 1
                 return True
             except BufferError:
-                if time.monotonic() >= flight.deadline or self.give_up():
+                # The earliest deadline, not this batch's: the purge that it calls for waits
+                # until this batch is produced, and must come before librdkafka's own timeout.
+                if time.monotonic() >= self._first_deadline() or self.give_up():
                     return False
                 self.producer.poll(0.05)  # the local queue is full: let deliveries drain it
             except KafkaException as exc:
                 flight.result.errors[record.id] = exc.args[0]
                 return True
+
+    def _first_deadline(self) -> float:
+        return min((f.deadline for f in self._flights), default=float("inf"))
 
     def _report(
         self, flight: Flight, record: OutboxRecord, error: KafkaError | None, message: Message

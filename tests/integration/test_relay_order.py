@@ -218,7 +218,7 @@ def test_two_batches_in_flight_are_purged_at_the_first_deadline_even_while_the_l
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_a_deadline_that_passes_while_a_batch_is_being_produced_leaves_no_gap(
-    kafka_broker: KafkaBroker, make_topic, attempt: int
+    faulty_kafka: FaultProxy, make_topic, attempt: int
 ) -> None:  # type: ignore[no-untyped-def]
     """The deadline's purge runs on a thread of its own. Had it run between two produce calls
     of one batch (a loop that resumed from a stalled database statement right at a deadline,
@@ -227,9 +227,12 @@ def test_a_deadline_that_passes_while_a_batch_is_being_produced_leaves_no_gap(
     from outbox.flights import IdempotentSender
 
     topic = make_topic(f"purge-mid-batch-{attempt}", partitions=3)
-    sender = IdempotentSender({"bootstrap.servers": kafka_broker.bootstrap_servers}, 30_000)
+    sender = IdempotentSender(
+        {"bootstrap.servers": f"127.0.0.1:{faulty_kafka.listen_port}"}, 30_000
+    )
     try:
         assert len(sender.publish(records(topic, 10, keys=2)).acks) == 10  # connected
+        faulty_kafka.set_latency(200)  # nothing is acknowledged while the batch is produced
         batch = records(topic, 30_000, keys=6)
         # The deadline passes a few milliseconds into producing the batch.
         flight = sender.start(batch, timeout=0.005)
@@ -238,4 +241,5 @@ def test_a_deadline_that_passes_while_a_batch_is_being_produced_leaves_no_gap(
         assert flight.result.errors, "the deadline ended the batch before all of it was acked"
         assert order_gaps(batch, flight.result, lambda error: True) == []
     finally:
+        faulty_kafka.heal()
         sender.close(5)
