@@ -511,6 +511,20 @@ class BreakablePublisher(StubPublisher):
         return []
 
 
+@contextmanager
+def a_steps_aside_for_b(
+    outbox_url: str, b_stub: StubPublisher, a_stub: StubPublisher
+) -> Iterator[tuple[Relay, Relay]]:
+    """B owns every shard; then A joins, fails its take-overs and steps aside for B."""
+    b = Relay(eos_config(outbox_url), publisher=b_stub)
+    a = Relay(eos_config(outbox_url), publisher=a_stub)
+    with looping(b):
+        wait_for(lambda: owns_all(b))
+        with looping(a):
+            wait_for(lambda: a.step_asides == 1)
+            yield a, b
+
+
 @pytest.mark.parametrize("how", ["its take-overs fail", "Kafka is out of its reach"])
 def test_a_relay_that_stepped_aside_comes_back_when_the_one_it_left_its_share_to_fails(  # type: ignore[no-untyped-def]
     engine, outbox_url, monkeypatch, how
@@ -531,17 +545,12 @@ def test_a_relay_that_stepped_aside_comes_back_when_the_one_it_left_its_share_to
             b_stub.unreachable = True
 
     a_stub.on_failure = break_b
-    b = Relay(eos_config(outbox_url), publisher=b_stub)
-    a = Relay(eos_config(outbox_url), publisher=a_stub)
-    with looping(b):
-        wait_for(lambda: owns_all(b))
-        with looping(a):
-            wait_for(lambda: a.step_asides == 1)
-            publish(engine, 400, keys=100)
-            # B cannot take A's share any more: A comes back for it.
-            wait_for(lambda: statuses(engine) == {"sent": 400}, 10)
-            assert not a.health.stepped_aside
-            assert a._ownership is not None and a._ownership.joined and a._ownership.owned
+    with a_steps_aside_for_b(outbox_url, b_stub, a_stub) as (a, _):
+        publish(engine, 400, keys=100)
+        # B cannot take A's share any more: A comes back for it.
+        wait_for(lambda: statuses(engine) == {"sent": 400}, 10)
+        assert not a.health.stepped_aside
+        assert a._ownership is not None and a._ownership.joined and a._ownership.owned
 
 
 def test_no_relay_steps_aside_for_an_idle_one_that_kafka_no_longer_answers(  # type: ignore[no-untyped-def]
@@ -677,30 +686,26 @@ def test_a_relay_back_early_from_stepping_aside_stays_in_after_a_reconnect(  # t
     engine, outbox_url, monkeypatch
 ) -> None:
     """A steps aside (60 s pause), comes back early because B stopped serving, and its
-    take-over works. A later database reconnect must not put it back aside: _rejoin_at was
-    never cleared, so it stays out (not joined, owning nothing) while /readyz says ready."""
+    take-over works. A later database reconnect must not put it back aside: its pause ends
+    with the take-over that worked, or it would stay out (not joined, owning nothing) while
+    /readyz says ready."""
     from outbox.relay import daemon
 
     monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 60.0)
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher(fail_first=2)
-    b = Relay(eos_config(outbox_url), publisher=b_stub)
-    a = Relay(eos_config(outbox_url), publisher=a_stub)
-    with looping(b):
-        wait_for(lambda: owns_all(b))
-        with looping(a):
-            wait_for(lambda: a.step_asides == 1)
-            b_stub.unreachable = True  # B stops serving: A comes back after the grace
-            wait_for(lambda: a.step_asides == 0, 15)  # back, and its take-over worked
-            b_stub.unreachable = False
-            wait_for(lambda: b._ownership is not None and b._ownership.serving, 15)
-            assert a._conn is not None
-            pid = a._conn.info.backend_pid
-            with engine.connect() as conn:
-                conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
-            wait_for(lambda: a._conn is not None and a._conn.info.backend_pid != pid, 10)
-            time.sleep(5)
-            assert not a.health.stepped_aside
-            assert a._ownership is not None and a._ownership.joined, "healthy A stays out"
+    with a_steps_aside_for_b(outbox_url, b_stub, a_stub) as (a, b):
+        b_stub.unreachable = True  # B stops serving: A comes back after the grace
+        wait_for(lambda: a.step_asides == 0, 15)  # back, and its take-over worked
+        b_stub.unreachable = False
+        wait_for(lambda: b._ownership is not None and b._ownership.serving, 15)
+        assert a._conn is not None
+        pid = a._conn.info.backend_pid
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        wait_for(lambda: a._conn is not None and a._conn.info.backend_pid != pid, 10)
+        time.sleep(5)
+        assert not a.health.stepped_aside
+        assert a._ownership is not None and a._ownership.joined, "healthy A stays out"
 
 
 def test_one_failed_take_over_a_while_ago_does_not_keep_an_idle_relay_from_serving(  # type: ignore[no-untyped-def]
