@@ -86,6 +86,10 @@ FAILED_TAKE_OVERS_FORGOTTEN_SECONDS = 300.0
 #: Seconds a relay that stepped aside waits, when members are left but none serves, before
 #: it joins again (a blip that turned one batch back is no reason to come back).
 NOBODY_SERVING_GRACE = 5.0
+#: Seconds a member's probe must keep failing, while it lacks shards of its share, before it
+#: steps aside like a relay whose take-overs fail: it takes none while Kafka is out of its
+#: reach, and as a member it keeps the others from taking them.
+UNREACHABLE_BEFORE_STEPPING_ASIDE = 10.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
@@ -160,6 +164,8 @@ class Relay:
         self._last_reached = float("-inf")
         self._nobody_serving_since: float | None = None
         self._probed_at = float("-inf")
+        #: Since when the probe before taking shards has kept failing (None: it has not).
+        self._unreachable_since: float | None = None
         #: Steps aside in a row, and when this relay may join again after the last one.
         self.step_asides = 0
         self._rejoin_at = 0.0
@@ -556,6 +562,13 @@ class Relay:
             log.info("released shards %s", lost)
         if gained:
             self._take_over(gained)
+        if (
+            self._unreachable_since is not None
+            and self._unreachable_since > self._last_reached  # nothing got through since
+            and now - self._unreachable_since >= UNREACHABLE_BEFORE_STEPPING_ASIDE
+        ):
+            self._unreachable_since = None
+            self._try_stepping_aside("Kafka stays out of its reach")
         self.metrics.owned_shards.set(len(self._ownership.owned))
         if now >= self._next_gauge:
             self._next_gauge = now + GAUGE_INTERVAL
@@ -572,7 +585,10 @@ class Relay:
             log.warning("Kafka out of reach (%s); taking no shards", error.args[0])
             self.health.kafka_ok = False
             self._ownership.mark_failing()  # type: ignore[union-attr]
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
             return False
+        self._unreachable_since = None
         self.health.kafka_ok = True
         self._last_reached = time.monotonic()
         return True
@@ -614,10 +630,13 @@ class Relay:
             self._failed_take_overs = 0
         self._last_failed_take_over = now
         self._failed_take_overs += 1
-        if (
-            self._failed_take_overs < FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
-            or self._ownership.others_serving() == 0
-        ):
+        if self._failed_take_overs >= FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE:
+            self._try_stepping_aside("shard take-overs keep failing")
+
+    def _try_stepping_aside(self, why: str) -> None:
+        """Step aside if another member serves; else stay and keep trying here."""
+        assert self._ownership is not None and self._publisher is not None
+        if self._ownership.others_serving() == 0:
             return
         self._drain()  # nothing of a shard may be in flight when it is let go
         released = self._ownership.step_aside()
@@ -635,8 +654,9 @@ class Relay:
         self.health.batch_done(progressed=True)  # owning nothing, it has nothing to be stuck on
         self.metrics.owned_shards.set(0)
         log.warning(
-            "shard take-overs keep failing: stepping aside for up to %.0fs (released shards "
-            "%s) so that the other relays take them",
+            "%s: stepping aside for up to %.0fs (released shards %s) so that the other relays "
+            "take them",
+            why,
             pause,
             released,
         )
