@@ -176,3 +176,16 @@ def wait_for(check: Any, timeout: float, what: str) -> None:
 
 def message_id(record: Any) -> uuid.UUID:
     return uuid.UUID(dict(record.headers())[ID_HEADER].decode())
+
+
+@contextmanager
+def looping(relay: Relay) -> Iterator[Relay]:
+    """``relay.run()`` on a thread of its own; stopped, and its thread joined, at the end."""
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        thread.join(60)
+        assert not thread.is_alive()

@@ -22,6 +22,7 @@ from outbox.relay.daemon import Relay
 from outbox.relay.policy import RetryPolicy
 from outbox.relay.producers import InFlight
 from outbox.sending import Ack, BatchResult
+from tests.relay_helpers import looping
 
 pytestmark = pytest.mark.integration
 
@@ -135,18 +136,6 @@ def config(outbox_url: str, **overrides: object) -> RelayConfig:
     }
     options.update(overrides)
     return RelayConfig(**options)
-
-
-@contextmanager
-def looping(relay: Relay) -> Iterator[Relay]:
-    thread = threading.Thread(target=relay.run, daemon=True)
-    thread.start()
-    try:
-        yield relay
-    finally:
-        relay.stop()
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 def publish(engine: sa.Engine, count: int, keys: int) -> list[uuid.UUID]:

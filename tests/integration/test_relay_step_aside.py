@@ -3,11 +3,8 @@ its shards to a relay that can still publish."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import sqlalchemy as sa
@@ -20,7 +17,7 @@ from outbox.relay import daemon, producers
 from outbox.relay.config import EXACTLY_ONCE, RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.schema import SHARD_COUNT
-from tests.relay_helpers import message_id, publish_orders, statuses, wait_for
+from tests.relay_helpers import looping, message_id, publish_orders, statuses, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,18 +28,6 @@ INIT_TIMEOUT = 3.0
 class QuickInitProducer(Producer):
     def init_transactions(self, *timeout: float) -> None:
         super().init_transactions(min(INIT_TIMEOUT, *timeout) if timeout else INIT_TIMEOUT)
-
-
-@contextmanager
-def running(relay: Relay) -> Iterator[Relay]:
-    thread = threading.Thread(target=relay.run, daemon=True)
-    thread.start()
-    try:
-        yield relay
-    finally:
-        relay.stop()
-        thread.join(60)
-        assert not thread.is_alive()
 
 
 def test_a_relay_whose_path_to_kafka_breaks_hands_its_shards_to_one_that_can_publish(
@@ -75,13 +60,13 @@ def test_a_relay_whose_path_to_kafka_breaks_hands_its_shards_to_one_that_can_pub
 
     healthy = Relay(config(kafka_broker.bootstrap_servers))
     broken = Relay(config(f"127.0.0.1:{faulty_kafka.listen_port}"))
-    with running(healthy):
+    with looping(healthy):
         wait_for(
             lambda: healthy._ownership is not None and healthy._ownership.serving,
             60,
             "the healthy relay serving",
         )
-        with running(broken):
+        with looping(broken):
             wait_for(
                 lambda: broken._ownership is not None and len(broken._ownership.owned) > 0,
                 60,
