@@ -98,6 +98,15 @@ SEED = _Seed()
     help="Faults that land while another holds (default: on).",
 )
 @click.option(
+    "--brokers",
+    type=click.IntRange(min=1, max=5),
+    default=1,
+    show_default=True,
+    help="Kafka nodes. Above 1, a KRaft cluster (replication factor = nodes, "
+    "min.insync.replicas one less) whose broker restarts stop the node leading most "
+    "partitions or coordinating most transactions, and, from 3 nodes, two nodes at once.",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -116,6 +125,7 @@ def chaos(
     writer_processes: int | None,
     database_faults: bool,
     overlapping_faults: bool,
+    brokers: int,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
@@ -142,7 +152,10 @@ def chaos(
     if writer_processes is not None:
         chosen = replace(chosen, writer_processes=writer_processes)
     chosen = replace(
-        chosen, database_path_faults=database_faults, overlapping_faults=overlapping_faults
+        chosen,
+        database_path_faults=database_faults,
+        overlapping_faults=overlapping_faults,
+        brokers=brokers,
     )
     if plan_only:
         for fault in plan(seed, chosen, duration):

@@ -23,6 +23,11 @@ RELAY_ARGS = (
 )
 
 
+def transactional_prefix(run_id: str) -> str:
+    """The relays' ``--transactional-id-prefix`` in exactly-once runs (``<it>-<shard>``)."""
+    return f"chaos-{run_id}"
+
+
 class RelayFleet(ProcessFleet):
     """``count`` relays; each writes its output to ``<logs>/relay-<i>.log``."""
 
@@ -39,7 +44,7 @@ class RelayFleet(ProcessFleet):
         if mode == EXACTLY_ONCE:
             args += [
                 "--transactional-id-prefix",
-                f"chaos-{run_id}",
+                transactional_prefix(run_id),
                 "--progress-topic",
                 f"chaos-progress-{run_id}",
             ]

@@ -1,6 +1,7 @@
 """One chaos run, start to verdict.
 
-1. Start a private stack (PostgreSQL, Kafka with a proxied listener, the fault proxy), create
+1. Start a private stack (PostgreSQL, Kafka (one broker or a cluster) with a proxied listener
+   per node, the fault proxies), create
    the outbox table, a business table and the topics, and the consuming service's database
    with the inbox tables and the service's effect table.
 2. Start the writers, the relays and the consumers; play the seeded fault schedule, logging
@@ -30,12 +31,14 @@ import sqlalchemy as sa
 
 from outbox import migrate
 from outbox.chaos import applied, audit
+from outbox.chaos.brokers import broker_target
 from outbox.chaos.consumers import ConsumerFleet, wait_caught_up
 from outbox.chaos.fleet import ProcessFleet
 from outbox.chaos.handover import ShardWatch, by_fault
 from outbox.chaos.relays import RelayFleet
 from outbox.chaos.schedule import (
     BROKER_RESTART,
+    BROKERS_DOWN,
     CONSUMER_KILL,
     CONSUMER_TERM,
     DB_DROP,
@@ -95,6 +98,7 @@ class ChaosResult:
             "mode": self.settings.mode,
             "seed": self.settings.seed,
             "profile": self.settings.profile.name,
+            "brokers": self.settings.profile.brokers,
             "duration_s": round(self.seconds, 1),
             "faults_injected": len(self.faults),
             "faults_by_kind": dict(Counter(fault["kind"] for fault in self.faults)),
@@ -141,8 +145,8 @@ class ChaosRun:
         self.echo = echo
         self.run_id = f"{settings.mode[:3]}-{settings.seed}-{uuid.uuid4().hex[:6]}"
         settings.output.mkdir(parents=True, exist_ok=True)
-        self.stack = ChaosStack(f"chaos-{os.getpid()}-{self.run_id}")
         self.profile = settings.profile
+        self.stack = ChaosStack(f"chaos-{os.getpid()}-{self.run_id}", brokers=self.profile.brokers)
         self.rate = settings.rate or self.profile.rate
         self.schedule = plan(settings.seed, self.profile, settings.duration)
         (settings.output / "faults.jsonl").unlink(missing_ok=True)  # a folder used before
@@ -186,7 +190,8 @@ class ChaosRun:
         self.echo(
             f"chaos run {self.run_id}: {s.mode}, seed {s.seed}, profile {self.profile.name}, "
             f"{len(self.schedule)} faults planned, {self.rate:.0f} msgs/s, "
-            f"{self.profile.relays} relays, {self.profile.consumers} consumers, "
+            f"{self.profile.brokers} Kafka node(s), {self.profile.relays} relays, "
+            f"{self.profile.consumers} consumers, "
             f"{self.profile.writers} writer threads and {self.profile.writer_processes} "
             "writer processes, "
             f"output {s.output}"
@@ -331,8 +336,11 @@ class ChaosRun:
             else:
                 code = fleet.terminate(index)
                 self.log.event(f"{fleet.name}-{index} stopped, exit code {code}")
-        elif fault.kind == BROKER_RESTART:
-            stack.kafka.kill() if fault.how == "kill" else stack.kafka.stop()
+        elif fault.kind in (BROKER_RESTART, BROKERS_DOWN):
+            hit = broker_target(stack, fault, self.settings.mode, self.run_id)
+            self.log.event(f"stopping {hit.why}")
+            for node in hit.nodes:
+                node.kill() if fault.how == "kill" else node.stop()
         elif fault.kind == POSTGRES_RESTART:
             stack.postgres.stop(mode=fault.how or "fast")
         elif fault.kind == NET_LATENCY:
@@ -358,9 +366,9 @@ class ChaosRun:
             fleet, index = target
             fleet.start(index)
             return f"{fleet.name}-{index} restarted"
-        if fault.kind == BROKER_RESTART:
-            stack.kafka.start()
-            return "broker up again"
+        if fault.kind in (BROKER_RESTART, BROKERS_DOWN):
+            stack.start_kafka()
+            return "Kafka up again" if stack.cluster else "broker up again"
         if fault.kind == POSTGRES_RESTART:
             stack.postgres.start()
             return "PostgreSQL up again"

@@ -13,7 +13,13 @@ from typing import Any
 
 RELAY_KILL = "relay_kill"  # kill -9 one relay, restart it after the hold
 RELAY_TERM = "relay_term"  # SIGTERM one relay (it drains), restart it after the hold
-BROKER_RESTART = "broker_restart"  # stop the Kafka broker (SIGTERM or kill -9), start it again
+# Stop a Kafka broker (SIGTERM or kill -9), start it again. On a cluster, the node that leads
+# most of the workload's partitions, or the one coordinating most of the relays' transactions
+# (at-least-once: the consumers' group), as found when the fault lands.
+BROKER_RESTART = "broker_restart"
+# A cluster's two nodes stopped at once (SIGTERM or kill -9), both started again: below
+# ``min.insync.replicas``, so writes to Kafka stall until then.
+BROKERS_DOWN = "brokers_down"
 POSTGRES_RESTART = "postgres_restart"  # stop PostgreSQL (fast, or immediate = crash), start it
 # The network faults hit every connection of the relays and the consumers to the broker.
 NET_LATENCY = "net_latency"  # traffic delayed by ``latency_ms`` per chunk
@@ -43,6 +49,10 @@ CONSUMING_FAULTS = (CONSUMER_KILL, CONSUMER_TERM)
 WRITING_FAULTS = (WRITER_KILL,)
 #: Faults of the relays' path to PostgreSQL, played when the profile asks for them.
 DATABASE_PATH_FAULTS = (DB_LATENCY, DB_DROP, DB_STALL)
+#: Faults only a cluster of three nodes or more has.
+CLUSTER_FAULTS = (BROKERS_DOWN,)
+#: The roles a cluster's ``broker_restart`` picks its node by.
+BROKER_ROLES = ("leader", "coordinator")
 # Two faults at once: a second one lands while the first holds (a relay killed while the
 # broker restarts, the broker restarted while PostgreSQL is down, ...).
 OVERLAP = "overlap"
@@ -53,6 +63,7 @@ FAULT_KINDS = (
     + CONSUMING_FAULTS
     + WRITING_FAULTS
     + DATABASE_PATH_FAULTS
+    + CLUSTER_FAULTS
     + OVERLAPPING_FAULTS
 )
 #: The first fault of an overlap: one that holds a while, the second landing inside it.
@@ -77,6 +88,7 @@ HOLDS: dict[str, tuple[float, float]] = {
     RELAY_KILL: (0.0, 4.0),
     RELAY_TERM: (0.0, 4.0),
     BROKER_RESTART: (1.0, 8.0),
+    BROKERS_DOWN: (1.0, 8.0),
     POSTGRES_RESTART: (0.5, 4.0),
     NET_LATENCY: (4.0, 12.0),
     NET_DROP: (1.0, 5.0),
@@ -109,12 +121,15 @@ class Profile:
     database_path_faults: bool = True
     #: Whether a second fault may land while another holds.
     overlapping_faults: bool = True
+    #: Kafka nodes: 1, or a cluster (replication factor and ``min.insync.replicas`` follow).
+    brokers: int = 1
 
     @property
     def fault_kinds(self) -> tuple[str, ...]:
         kinds = PUBLISHING_FAULTS + (CONSUMING_FAULTS if self.consumers else ())
         kinds += WRITING_FAULTS if self.writer_processes else ()
         kinds += DATABASE_PATH_FAULTS if self.database_path_faults else ()
+        kinds += CLUSTER_FAULTS if self.brokers >= 3 else ()
         return kinds + (OVERLAPPING_FAULTS if self.overlapping_faults else ())
 
 
@@ -140,6 +155,8 @@ class Fault:
     latency_ms: int | None = None
     consumer: int | None = None  # for consumer faults: its index
     writer: int | None = None  # for writer faults: its index
+    broker: str | None = None  # a cluster's broker_restart: the role of the node it stops
+    nodes: tuple[int, ...] = ()  # brokers_down: the node ids stopped
     #: For an overlap: its first fault and the second, which lands while the first holds.
     parts: tuple[Fault, ...] = ()
 
@@ -161,6 +178,10 @@ class Fault:
             parts.append(f"consumer-{self.consumer}")
         if self.writer is not None:
             parts.append(f"writer-{self.writer}")
+        if self.broker is not None:
+            parts.append(f"the {self.broker}")
+        if self.nodes:
+            parts.append("nodes " + " and ".join(map(str, self.nodes)))
         if self.how:
             parts.append(self.how)
         if self.latency_ms is not None:
@@ -169,7 +190,11 @@ class Fault:
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        body = {k: v for k, v in asdict(self).items() if v is not None and k != "parts"}
+        body = {
+            k: v for k, v in asdict(self).items() if v is not None and k not in ("parts", "nodes")
+        }
+        if self.nodes:
+            body["nodes"] = list(self.nodes)
         if self.parts:
             body["parts"] = [part.to_json() for part in self.parts]
         return body
@@ -186,11 +211,17 @@ def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fau
     end = profile.duration if duration is None else duration
     kinds = profile.fault_kinds
     first_round = list(kinds)
+    if profile.brokers > 1:  # a broker restart in each role
+        first_round += [BROKER_RESTART] * (len(BROKER_ROLES) - 1)
     rng.shuffle(first_round)
+    roles = list(BROKER_ROLES)
     faults: list[Fault] = []
     at = rng.uniform(profile.min_gap, profile.max_gap)
     for kind in first_round:
-        faults.append(_draw(rng, kind, at, profile))
+        fault = _draw(rng, kind, at, profile)
+        if fault.broker is not None:
+            fault = replace(fault, broker=roles.pop(0))
+        faults.append(fault)
         at = faults[-1].heals_at + rng.uniform(profile.min_gap, profile.max_gap)
     while True:
         fault = _draw(rng, rng.choice(kinds), at, profile)
@@ -212,8 +243,14 @@ def _draw(rng: random.Random, kind: str, at: float, profile: Profile) -> Fault:
         return Fault(at, kind, hold, consumer=rng.randrange(profile.consumers))
     if kind == WRITER_KILL:
         return Fault(at, kind, hold, writer=rng.randrange(profile.writer_processes))
+    if kind == BROKER_RESTART and profile.brokers > 1:
+        role = rng.choice(BROKER_ROLES)
+        return Fault(at, kind, hold, how=rng.choice(("term", "kill")), broker=role)
     if kind == BROKER_RESTART:
         return Fault(at, kind, hold, how=rng.choice(("term", "kill")))
+    if kind == BROKERS_DOWN:
+        nodes = tuple(sorted(rng.sample(range(1, profile.brokers + 1), 2)))
+        return Fault(at, kind, hold, how=rng.choice(("term", "kill")), nodes=nodes)
     if kind == POSTGRES_RESTART:
         return Fault(at, kind, hold, how=rng.choice(("fast", "immediate")))
     if kind == NET_LATENCY:

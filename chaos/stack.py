@@ -1,13 +1,15 @@
-"""The chaos run's own servers: PostgreSQL, a Kafka broker with a second listener that the
-relays and the consumers reach through the fault proxy, the proxy itself, and a second proxy
-in front of PostgreSQL that only the relays connect through.
+"""The chaos run's own servers: PostgreSQL, Kafka (one broker, or a cluster of three nodes)
+with a second listener per node that the relays and the consumers reach through a fault proxy
+of that node, the proxies themselves, and a proxy in front of PostgreSQL that only the relays
+connect through.
 
-The broker advertises the proxy's port on that listener, so every connection a relay's or a
-consumer's Kafka client makes (bootstrap, partition leaders and the group coordinator alike)
-goes through the proxy. The harness itself (topic set-up, the audit) uses the broker's plain
-listener, untouched by network faults. The consuming service's database lives on the same
-PostgreSQL cluster, so a database restart hits both services; the database proxy's faults hit
-the relays' path alone (the writers, the consumers and the audit connect directly).
+Each node advertises its proxy's port on that listener, so every connection a relay's or a
+consumer's Kafka client makes (bootstrap, partition leaders and the coordinators alike) goes
+through a proxy, and a network fault hits all of them at once. The harness itself (topic
+set-up, the audit) uses the nodes' plain listeners, untouched by network faults. The consuming
+service's database lives on the same PostgreSQL cluster, so a database restart hits both
+services; the database proxy's faults hit the relays' path alone (the writers, the consumers
+and the audit connect directly).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.cluster import KafkaCluster
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.postgres import PostgresServer
 from outbox.devstack.procs import free_port
@@ -47,14 +50,52 @@ def route_through_proxy(kafka: KafkaBroker, proxy: FaultProxy) -> None:
     }
 
 
-class ChaosStack:
-    """Servers under ``<stack home>/run/<name>``, removed by :meth:`down`."""
+class ProxyGroup:
+    """The fault proxies of every Kafka node, faulted and healed together."""
 
-    def __init__(self, name: str, run_dir: Path | None = None) -> None:
-        self.local = LocalStack(run_dir or stack_home() / "run" / name, durable=True)
-        self.external_port = free_port()
-        self.proxy = FaultProxy(free_port(), self.external_port)
-        route_through_proxy(self.local.kafka, self.proxy)
+    def __init__(self, proxies: list[FaultProxy]) -> None:
+        self.proxies = proxies
+
+    def start(self) -> None:
+        for proxy in self.proxies:
+            proxy.start()
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()
+
+    def set_latency(self, milliseconds: int) -> None:
+        for proxy in self.proxies:
+            proxy.set_latency(milliseconds)
+
+    def stall(self) -> None:
+        for proxy in self.proxies:
+            proxy.stall()
+
+    def drop(self) -> None:
+        for proxy in self.proxies:
+            proxy.drop()
+
+    def heal(self) -> None:
+        for proxy in self.proxies:
+            proxy.heal()
+
+
+class ChaosStack:
+    """Servers under ``<stack home>/run/<name>``, removed by :meth:`down`; ``brokers`` Kafka
+    nodes (a cluster when more than one)."""
+
+    def __init__(self, name: str, run_dir: Path | None = None, brokers: int = 1) -> None:
+        self.local = LocalStack(
+            run_dir or stack_home() / "run" / name, durable=True, brokers=brokers
+        )
+        proxies = []
+        for node in self.local.kafka_nodes():
+            proxies.append(FaultProxy(free_port(), free_port()))
+            route_through_proxy(node, proxies[-1])
+        if self.local.cluster is not None:
+            self.local.cluster.name_voters()  # the controller ports changed
+        self.proxy = ProxyGroup(proxies)
         #: In front of PostgreSQL for the relays; made in :meth:`up`, once its port is known.
         self.database_proxy: FaultProxy | None = None
         self.info: StackInfo | None = None
@@ -64,8 +105,20 @@ class ChaosStack:
         return self.local.postgres
 
     @property
-    def kafka(self) -> KafkaBroker:
-        return self.local.kafka
+    def cluster(self) -> KafkaCluster | None:
+        """The Kafka cluster, when the stack has more than one node."""
+        return self.local.cluster
+
+    @property
+    def kafka_nodes(self) -> list[KafkaBroker]:
+        return self.local.kafka_nodes()
+
+    def start_kafka(self) -> None:
+        """Start every Kafka node that is down, and wait until all serve."""
+        if self.cluster is not None:
+            self.cluster.start()
+        else:
+            self.local.kafka.start()
 
     @property
     def run_dir(self) -> Path:
@@ -73,13 +126,13 @@ class ChaosStack:
 
     @property
     def proxied_bootstrap(self) -> str:
-        """Where relays and consumers connect: the proxy."""
-        return f"127.0.0.1:{self.proxy.listen_port}"
+        """Where relays and consumers connect: the proxies."""
+        return ",".join(f"127.0.0.1:{proxy.listen_port}" for proxy in self.proxy.proxies)
 
     @property
     def direct_bootstrap(self) -> str:
-        """The broker's own listener, for set-up and the audit."""
-        return self.kafka.bootstrap_servers
+        """The nodes' own listeners, for set-up and the audit."""
+        return self.local.bootstrap_servers
 
     @property
     def database_url(self) -> str:
@@ -112,5 +165,6 @@ class ChaosStack:
         if not keep_files:
             self.local.down()  # stops both servers and removes their folders
             return
-        for server in (self.kafka, self.postgres):
-            server.stop()
+        for node in self.kafka_nodes:
+            node.stop()
+        self.postgres.stop()

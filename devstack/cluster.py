@@ -13,11 +13,36 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from outbox.devstack.kafka import START_TIMEOUT, KafkaBroker, new_cluster_id
+from outbox.devstack.kafka import (
+    INTERNAL_PARTITIONS,
+    START_TIMEOUT,
+    KafkaBroker,
+    new_cluster_id,
+)
 from outbox.devstack.procs import StackError, wait_until
 
 #: Heap per node: three nodes fit the machine beside PostgreSQL, the relays and Spark.
 CLUSTER_HEAP = "-Xmx512m"
+#: A coordinator is the leader of a partition of one of these.
+TRANSACTION_STATE = "__transaction_state"
+CONSUMER_OFFSETS = "__consumer_offsets"
+
+
+def java_string_hash(text: str) -> int:
+    """Java's ``String.hashCode`` (a signed 32-bit int), which Kafka uses to place a
+    transactional id or a group id on a partition of its internal topic."""
+    data = text.encode("utf-16-be")
+    value = 0
+    for at in range(0, len(data), 2):  # over UTF-16 code units, as Java's char
+        value = (31 * value + int.from_bytes(data[at : at + 2], "big")) & 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def coordinator_partition(key: str, partitions: int = INTERNAL_PARTITIONS) -> int:
+    """The internal-topic partition that holds ``key``'s state (Kafka's ``Utils.abs`` of the
+    hash, modulo the partition count): its leader is ``key``'s coordinator."""
+    hashed = java_string_hash(key)
+    return (0 if hashed == -(1 << 31) else abs(hashed)) % partitions
 
 
 @dataclass
@@ -113,8 +138,21 @@ class KafkaCluster:
 
     def leader_of(self, topic: str, partition: int = 0) -> int:
         """The node id leading ``topic``'s ``partition`` now (-1 while it has none)."""
+        return self.leaders(topic).get(partition, -1)
+
+    def leaders(self, topic: str) -> dict[int, int]:
+        """Partition -> the node id leading it now (-1 while it has none)."""
         from confluent_kafka.admin import AdminClient
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
         described = admin.list_topics(topic, timeout=10).topics[topic]
-        return int(described.partitions[partition].leader)
+        return {number: int(p.leader) for number, p in described.partitions.items()}
+
+    def transaction_coordinators(self, transactional_ids: list[str]) -> dict[str, int]:
+        """Transactional id -> the node coordinating its transactions now."""
+        leaders = self.leaders(TRANSACTION_STATE)
+        return {tid: leaders.get(coordinator_partition(tid), -1) for tid in transactional_ids}
+
+    def group_coordinator(self, group: str) -> int:
+        """The node coordinating consumer group ``group`` now."""
+        return self.leaders(CONSUMER_OFFSETS).get(coordinator_partition(group), -1)

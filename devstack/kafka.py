@@ -16,6 +16,8 @@ from outbox.devstack.procs import StackError, pid_alive, port_open, terminate, w
 
 START_TIMEOUT = 90.0
 HEAP = "-Xmx768m"
+#: Partitions of ``__transaction_state`` and ``__consumer_offsets``.
+INTERNAL_PARTITIONS = 8
 
 LOG4J2_CONFIG = """\
 status = warn
@@ -229,10 +231,10 @@ class KafkaBroker:
             "num.partitions": "1",
             # Internal topics on every node (one alone); a write needs all but one of them.
             "offsets.topic.replication.factor": str(self.replication),
-            "offsets.topic.num.partitions": "8",
+            "offsets.topic.num.partitions": str(INTERNAL_PARTITIONS),
             "transaction.state.log.replication.factor": str(self.replication),
             "transaction.state.log.min.isr": str(min_isr),
-            "transaction.state.log.num.partitions": "8",
+            "transaction.state.log.num.partitions": str(INTERNAL_PARTITIONS),
             "share.coordinator.state.topic.replication.factor": str(self.replication),
             "share.coordinator.state.topic.min.isr": str(min_isr),
             "default.replication.factor": str(self.replication),

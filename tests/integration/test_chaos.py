@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from outbox.chaos.schedule import FAULT_KINDS, PROFILES, plan
+from outbox.chaos.schedule import PROFILES, Profile, plan
 from outbox.relay.config import EXACTLY_ONCE
 
 pytestmark = pytest.mark.integration
@@ -27,13 +29,46 @@ SEED = 7
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
 def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "outbox.cli", "chaos", "--mode", mode]
-    command += ["--seed", str(SEED), "--output", str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)
+    result, stdout = run_chaos(mode, tmp_path)
+    assert_every_guarantee_held(result, stdout, mode, tmp_path, PROFILES["short"])
+    assert result["brokers"] == 1
+
+
+def test_a_short_chaos_run_on_a_three_node_cluster_keeps_every_guarantee(
+    tmp_path: Path,
+) -> None:
+    """The cluster's own faults: the node leading most partitions and the one coordinating
+    most transactions stopped, and two nodes down at once (below min.insync.replicas)."""
+    mode = EXACTLY_ONCE
+    result, stdout = run_chaos(mode, tmp_path, "--brokers", "3")
+    profile = replace(PROFILES["short"], brokers=3)
+    assert_every_guarantee_held(result, stdout, mode, tmp_path, profile)
+    assert result["brokers"] == 3
+    assert result["faults_by_kind"]["broker_restart"] >= 2
+    assert result["faults_by_kind"]["brokers_down"] >= 1
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    stopped = [event["event"] for event in events if event["event"].startswith("stopping ")]
+    # Each role was looked up when its fault landed: who led, who coordinated.
+    assert any("workload partitions" in line for line in stopped), stopped
+    assert any("shards' transactions" in line for line in stopped), stopped
+    assert any(line.startswith("stopping nodes ") for line in stopped), stopped
+
+
+def run_chaos(mode: str, output: Path, *extra: str) -> tuple[dict[str, Any], str]:
+    """Run ``outbox chaos`` (short profile, seed 7); its JSON result and its output."""
+    command = [sys.executable, "-m", "outbox.cli", "chaos", "--mode", mode, *extra]
+    command += ["--seed", str(SEED), "--output", str(output)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     lines = run.stdout.strip().splitlines()
     assert lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])  # the last line is the result
+    result: dict[str, Any] = json.loads(lines[-1])  # the last line is the result
     assert run.returncode == 0, "\n".join(lines[-40:]) + run.stderr[-2000:]
+    return result, run.stdout
+
+
+def assert_every_guarantee_held(
+    result: dict[str, Any], stdout: str, mode: str, tmp_path: Path, profile: Profile
+) -> None:
     assert result["verdict"] == "PASS" and result["violations"] == []
 
     # What the issue asks to be reported, with the values the guarantees demand.
@@ -54,7 +89,7 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
     # The consuming stage: each committed message applied once, per key in order, through
     # consumer kill -9 and SIGTERM.
     consuming = result["consuming"]
-    assert consuming["consumers"] == PROFILES["short"].consumers
+    assert consuming["consumers"] == profile.consumers
     assert consuming["applied"] == consuming["inbox_rows"] == result["messages_committed"]
     assert consuming["missing"] == consuming["applied_twice"] == 0
     assert consuming["not_committed"] == consuming["order_violations"] == 0
@@ -67,7 +102,7 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
     # them immediate send, and their messages sent themselves count among the committed.
     writers = result["writer_processes"]
     kills = result["faults_by_kind"]["writer_kill"]
-    assert writers["lives"] == PROFILES["short"].writer_processes + kills
+    assert writers["lives"] == profile.writer_processes + kills
     assert set(writers["term_exit_codes"]) == {0}
     assert writers["immediate_send"] == (mode != EXACTLY_ONCE)
     if mode != EXACTLY_ONCE:
@@ -83,13 +118,13 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
     assert all(figures["never_closed"] == 0 for figures in handover.values()), handover
 
     # The seed's schedule was played in full, every kind of fault, each logged with its time.
-    assert set(result["faults_by_kind"]) == set(FAULT_KINDS)
+    assert set(result["faults_by_kind"]) == set(profile.fault_kinds)
     events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     played = [event["fault"] for event in events if "fault" in event]
-    assert played == [fault.to_json() for fault in plan(SEED, PROFILES["short"])]
+    assert played == [fault.to_json() for fault in plan(SEED, profile)]
     assert result["faults_injected"] == len(played)
     assert all(event["at"].endswith("+00:00") for event in events)
-    assert "fault " + plan(SEED, PROFILES["short"])[0].describe() in run.stdout
+    assert "fault " + plan(SEED, profile)[0].describe() in stdout
 
     # The reconciliation job left its evidence beside the fault log.
     summary = json.loads((tmp_path / "reconcile" / "summary.json").read_text())

@@ -145,3 +145,53 @@ def test_two_nodes_down_stall_writes_and_lose_none(
     assert relay.poll() is None, "the relay must ride the stall out, not exit"
     assert stop_process(relay, signal.SIGTERM) == 0
     assert_each_delivered(cluster, topic, ids + more, mode)
+
+
+def test_the_coordinators_found_are_the_ones_kafka_names(all_nodes_up: KafkaCluster) -> None:
+    """Chaos stops "the coordinator" by working out which node it is; Kafka's own tools and
+    its group description must name the same node."""
+    import subprocess
+
+    from confluent_kafka import Consumer, Producer
+
+    from outbox.devstack.stack import kafka_tools_jars
+
+    cluster = all_nodes_up
+    bootstrap = cluster.bootstrap_servers
+    transactional_ids = [f"coord-{uuid.uuid4().hex[:8]}-{n}" for n in range(4)]
+    for transactional_id in transactional_ids:  # the coordinator records each id
+        producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": transactional_id})
+        producer.init_transactions(30)
+    found = cluster.transaction_coordinators(transactional_ids)
+    classpath = ":".join(str(jar) for jar in kafka_tools_jars())
+    command = ["java", "-cp", classpath, "org.apache.kafka.tools.TransactionsCommand"]
+    for transactional_id in transactional_ids:
+        described = subprocess.run(
+            [
+                *command,
+                "--bootstrap-server",
+                bootstrap,
+                "describe",
+                "--transactional-id",
+                transactional_id,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout.splitlines()
+        header, row = described[0].split(), described[1].split()
+        assert int(row[header.index("CoordinatorId")]) == found[transactional_id]
+    assert len(set(found.values()) - {-1}) >= 1
+
+    group = f"coord-group-{uuid.uuid4().hex[:8]}"
+    topic = cluster_topic(cluster, "coord", partitions=1)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    consumer.subscribe([topic])
+    try:
+        wait_for(lambda: consumer.poll(0.5) is None and bool(consumer.assignment()), 60, "a join")
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        described_group = admin.describe_consumer_groups([group])[group].result(30)
+        assert described_group.coordinator.id == cluster.group_coordinator(group)
+    finally:
+        consumer.close()

@@ -16,6 +16,10 @@ from outbox.chaos.audit import RowFacts, TopicRecord, order_violations, partitio
 from outbox.chaos.consumers import counters
 from outbox.chaos.handover import Gap, ShardWatch, by_fault
 from outbox.chaos.schedule import (
+    BROKER_RESTART,
+    BROKER_ROLES,
+    BROKERS_DOWN,
+    CLUSTER_FAULTS,
     CONSUMING_FAULTS,
     FAULT_KINDS,
     HOLDS,
@@ -43,7 +47,9 @@ def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> Non
 @pytest.mark.parametrize("seed", range(30))
 def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int) -> None:
     faults = plan(seed, SHORT)
-    assert sorted(f.kind for f in faults[: len(FAULT_KINDS)]) == sorted(FAULT_KINDS)
+    kinds = SHORT.fault_kinds
+    assert sorted(f.kind for f in faults[: len(kinds)]) == sorted(kinds)
+    assert set(FAULT_KINDS) - set(kinds) == set(CLUSTER_FAULTS)  # one broker: all but those
     for before, after in itertools.pairwise(faults):
         assert after.at >= before.heals_at + SHORT.min_gap - 0.1  # one at a time, with a gap
     for fault in faults:
@@ -57,7 +63,7 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
             assert fault.kind in CONSUMING_FAULTS and 0 <= fault.consumer < SHORT.consumers
         if fault.writer is not None:
             assert fault.kind == WRITER_KILL and 0 <= fault.writer < SHORT.writer_processes
-    beyond_first_round = faults[len(FAULT_KINDS) :]
+    beyond_first_round = faults[len(kinds) :]
     assert all(f.heals_at <= SHORT.duration for f in beyond_first_round)
 
 
@@ -388,6 +394,32 @@ def test_seed_random_is_drawn_printed_and_replayable() -> None:
     ]
     refused = CliRunner().invoke(chaos, ["--plan-only", "--seed", "-3"])
     assert refused.exit_code == 2 and "neither a non-negative number" in refused.output
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_cluster_schedule_stops_each_role_and_two_nodes_at_once_early_on(seed: int) -> None:
+    cluster = replace(SHORT, brokers=3)
+    faults = plan(seed, cluster)
+    first_round = faults[: len(cluster.fault_kinds) + len(BROKER_ROLES) - 1]
+    restarts = [f for f in first_round if f.kind == BROKER_RESTART]
+    assert sorted(f.broker or "" for f in restarts) == sorted(BROKER_ROLES)
+    assert all(f.how in ("term", "kill") for f in restarts)
+    (both,) = [f for f in first_round if f.kind == BROKERS_DOWN]
+    assert len(set(both.nodes)) == 2 and set(both.nodes) <= {1, 2, 3}
+    assert both.to_json()["nodes"] == list(both.nodes)  # JSON as the fault log keeps it
+    assert json.loads(json.dumps(both.to_json())) == both.to_json()
+    for fault in faults:  # every broker restart on a cluster names its role, the parts too
+        for part in fault.parts or (fault,):
+            assert (part.broker is not None) == (part.kind == BROKER_RESTART)
+    # The one-broker schedule of a seed stays what it was.
+    assert all(f.broker is None and not f.nodes for f in plan(seed, SHORT))
+
+
+def test_a_broker_fault_describes_its_target() -> None:
+    restart = Fault(3.0, BROKER_RESTART, 2.0, how="kill", broker="coordinator")
+    assert restart.describe() == "broker_restart the coordinator kill for 2.0s"
+    down = Fault(3.0, BROKERS_DOWN, 2.0, how="term", nodes=(1, 3))
+    assert down.describe() == "brokers_down nodes 1 and 3 term for 2.0s"
 
 
 def test_writer_kills_are_planned_only_for_profiles_with_writer_processes() -> None:

@@ -130,6 +130,21 @@ def test_cluster_nodes_share_one_quorum_and_replicate_everything(tmp_path: Path)
     assert len({node.root for node in cluster.nodes}) == 3
 
 
+def test_coordinators_are_placed_as_kafka_places_them() -> None:
+    from outbox.devstack.cluster import coordinator_partition, java_string_hash
+
+    # Values of Java's String.hashCode, from jshell.
+    assert java_string_hash("hello") == 99162322
+    assert java_string_hash("chaos-eos-7-abcdef-13") == -334328155
+    assert java_string_hash("\u00e9\u65e5\u672c") == 1058960  # beyond ASCII: UTF-16 units
+    assert java_string_hash("") == 0
+    assert coordinator_partition("chaos-eos-7-abcdef-13") == 334328155 % 8
+    assert coordinator_partition("hello", partitions=50) == 99162322 % 50
+    # Integer.MIN_VALUE has no absolute value in Java: Kafka's Utils.abs makes it 0.
+    assert java_string_hash("polygenelubricants") == -(2**31)
+    assert coordinator_partition("polygenelubricants") == 0
+
+
 def test_a_stack_refuses_to_change_its_broker_count_while_recorded(tmp_path: Path) -> None:
     from outbox.devstack import LocalStack, StackError
 
