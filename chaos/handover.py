@@ -117,22 +117,45 @@ class ShardWatch:
                 del self._shard_opened[shard]
 
 
+#: A fault injected this soon after the one before it healed shares its gaps with that one's
+#: aftermath (a broker back up, its coordinators still loading): they are reported apart.
+AFTERMATH = 5.0
+
+
+def healed_at(fault: dict[str, Any]) -> float:
+    """Run time at which ``fault`` healed: as logged when known (a broker restart heals once
+    the broker serves again, often well past its hold), else its injection time plus hold."""
+    healed = fault.get("healed")
+    return float(healed) if healed is not None else fault["t"] + fault.get("hold", 0.0)
+
+
+def attribute(gap: Gap, faults: list[dict[str, Any]]) -> str:
+    """What ``gap`` is put down to: the fault last injected before it opened, and whether it
+    opened while that fault held or after its heal ("<kind>, after the heal"); a fault that
+    landed under :data:`AFTERMATH` seconds after the one before it healed says so
+    ("<kind>, under 5 s after <previous kind>"). "start" before any fault."""
+    before = [fault for fault in faults if fault["t"] <= gap.opened]
+    if not before:
+        return "start"
+    last = before[-1]
+    kind = str(last["kind"])
+    if len(before) > 1 and last["t"] - healed_at(before[-2]) < AFTERMATH:
+        kind += f", under {AFTERMATH:.0f} s after {before[-2]['kind']}"
+    # Past the heal (plus the watch's own interval) the gap is the aftermath: a restarted
+    # relay joining, the others letting shards go for it.
+    if gap.opened > healed_at(last) + 2 * INTERVAL:
+        kind += ", after the heal"
+    return kind
+
+
 def by_fault(gaps: list[Gap], faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per fault kind: how many gaps opened while it held, and (as "<kind>, after the heal")
-    after it healed and before the next fault; their p50 and longest, and how many never
-    closed. ``faults`` are the fault log's entries (their ``t``, the run time at which each
-    was injected, and ``hold``, in order)."""
+    """Per fault kind (as :func:`attribute` puts each gap down): how many gaps, their p50 and
+    longest, and how many never closed. ``faults`` are the fault log's entries (their ``t``,
+    the run time at which each was injected, ``hold``, and ``healed`` when logged, in
+    order)."""
     found: dict[str, list[Gap]] = {}
     for gap in gaps:
-        before = [fault for fault in faults if fault["t"] <= gap.opened]
-        kind = "start"
-        if before:
-            last = before[-1]
-            # Past the heal (plus the watch's own interval) the gap is the aftermath: a
-            # restarted relay joining, the others letting shards go for it.
-            healed = gap.opened > last["t"] + last.get("hold", 0.0) + 2 * INTERVAL
-            kind = f"{last['kind']}, after the heal" if healed else last["kind"]
-        found.setdefault(kind, []).append(gap)
+        found.setdefault(attribute(gap, faults), []).append(gap)
     figures: dict[str, dict[str, Any]] = {}
     for kind, kind_gaps in sorted(found.items()):
         closed = sorted(s for g in kind_gaps if (s := g.seconds) is not None)
@@ -143,3 +166,22 @@ def by_fault(gaps: list[Gap], faults: list[dict[str, Any]]) -> dict[str, dict[st
             "never_closed": len(kind_gaps) - len(closed),
         }
     return figures
+
+
+def gap_lines(watch: ShardWatch, faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every gap as a JSON-ready line: whole-table gaps and shard gaps, with their times
+    and what each is put down to."""
+    lines = []
+    for what, gaps in (("all shards", watch.gaps), ("a shard", watch.shard_gaps)):
+        for gap in gaps:
+            seconds = gap.seconds
+            lines.append(
+                {
+                    "gap": what,
+                    "opened_t": round(gap.opened, 2),
+                    "closed_t": None if gap.closed is None else round(gap.closed, 2),
+                    "seconds": None if seconds is None else round(seconds, 2),
+                    "after": attribute(gap, faults),
+                }
+            )
+    return sorted(lines, key=lambda line: (line["opened_t"], line["gap"]))

@@ -34,7 +34,7 @@ from outbox.chaos import applied, audit
 from outbox.chaos.brokers import broker_target
 from outbox.chaos.consumers import ConsumerFleet, wait_caught_up
 from outbox.chaos.fleet import ProcessFleet
-from outbox.chaos.handover import ShardWatch, by_fault
+from outbox.chaos.handover import ShardWatch, by_fault, gap_lines
 from outbox.chaos.relays import RelayFleet
 from outbox.chaos.schedule import (
     BROKER_RESTART,
@@ -309,10 +309,11 @@ class ChaosRun:
     def _inject(self, fault: Fault) -> None:
         entry = self.log.event(f"fault {fault.describe()}", fault=fault.to_json())
         self.log.faults.append({**fault.to_json(), "started": entry["at"], "t": entry["t"]})
+        logged = self.log.faults[-1]
         if not fault.parts:
             self._break(fault)
             self._wait_until(self.log.elapsed() + fault.hold)
-            self.log.event(self._heal(fault))
+            logged["healed"] = self.log.event(self._heal(fault))["t"]
             return
         # An overlap: the second fault lands while the first holds; each heals at its time.
         first, second = fault.parts
@@ -323,7 +324,7 @@ class ChaosRun:
         self.log.event(f"and now {second.describe()}")
         for part in sorted(fault.parts, key=lambda part: part.heals_at):
             self._wait_until(started + part.heals_at - first.at)
-            self.log.event(self._heal(part))
+            logged["healed"] = self.log.event(self._heal(part))["t"]
 
     def _break(self, fault: Fault) -> None:
         stack, target = self.stack, self._target(fault)
@@ -473,6 +474,10 @@ class ChaosRun:
         }
         if consuming_extra:
             extra["consuming"] = consuming_extra
+        if self.shard_watch is not None:
+            with (self.settings.output / "handover.jsonl").open("w") as out:
+                for gap in gap_lines(self.shard_watch, self.log.faults):
+                    out.write(json.dumps(gap) + "\n")
         return findings, extra
 
     def _audit_consuming(

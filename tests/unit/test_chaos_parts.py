@@ -14,7 +14,7 @@ import pytest
 from outbox.chaos.applied import Application, audit_applied
 from outbox.chaos.audit import RowFacts, TopicRecord, order_violations, partition_ends
 from outbox.chaos.consumers import counters
-from outbox.chaos.handover import Gap, ShardWatch, by_fault
+from outbox.chaos.handover import Gap, ShardWatch, attribute, by_fault, gap_lines, healed_at
 from outbox.chaos.schedule import (
     BROKER_RESTART,
     BROKER_ROLES,
@@ -480,6 +480,55 @@ def test_ownership_gaps_are_timed_and_put_down_to_the_last_fault_before_them() -
         },
     }
     assert by_fault([Gap(0.5, 0.7)], faults)["start"]["gaps"] == 1
+
+
+def test_a_gap_goes_by_the_logged_heal_and_a_fault_close_behind_another_says_so() -> None:
+    """A broker restart heals when the broker serves again, long past its hold; a relay kill
+    landing just after that heal shares its gaps with the broker's aftermath."""
+    faults = [
+        {"t": 10.0, "kind": "broker_restart", "hold": 2.0, "healed": 40.0},
+        {"t": 42.0, "kind": "relay_kill", "hold": 1.0, "healed": 43.0},
+        {"t": 60.0, "kind": "relay_kill", "hold": 1.0},  # no heal logged: t + hold
+    ]
+    assert attribute(Gap(30.0, 31.0), faults) == "broker_restart"  # down yet, past its hold
+    assert attribute(Gap(40.5, 41.0), faults) == "broker_restart, after the heal"
+    assert attribute(Gap(42.1, 50.0), faults) == "relay_kill, under 5 s after broker_restart"
+    assert attribute(Gap(43.5, 44.0), faults) == (
+        "relay_kill, under 5 s after broker_restart, after the heal"
+    )
+    assert attribute(Gap(60.1, 60.5), faults) == "relay_kill"  # 17 s after the one before
+    assert attribute(Gap(61.5, 62.0), faults) == "relay_kill, after the heal"
+    assert healed_at(faults[2]) == 61.0
+    figures = by_fault([Gap(42.1, 50.0), Gap(60.1, 60.5)], faults)
+    assert figures["relay_kill"]["max_s"] == 0.4
+    assert figures["relay_kill, under 5 s after broker_restart"]["max_s"] == 7.9
+
+    watch = ShardWatch("", lambda: 0.0)
+    watch.gaps = [Gap(42.1, 50.0)]
+    watch.shard_gaps = [Gap(60.1, 60.5), Gap(42.2, None)]
+    assert gap_lines(watch, faults) == [
+        {
+            "gap": "all shards",
+            "opened_t": 42.1,
+            "closed_t": 50.0,
+            "seconds": 7.9,
+            "after": "relay_kill, under 5 s after broker_restart",
+        },
+        {
+            "gap": "a shard",
+            "opened_t": 42.2,
+            "closed_t": None,
+            "seconds": None,
+            "after": "relay_kill, under 5 s after broker_restart",
+        },
+        {
+            "gap": "a shard",
+            "opened_t": 60.1,
+            "closed_t": 60.5,
+            "seconds": 0.4,
+            "after": "relay_kill",
+        },
+    ]
 
 
 def test_each_shard_is_timed_without_an_owner_apart_from_the_others() -> None:
