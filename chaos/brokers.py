@@ -9,6 +9,7 @@ listeners, which network faults do not touch.
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
@@ -45,6 +46,15 @@ def broker_target(stack: ChaosStack, fault: Fault, mode: str, run_id: str) -> Br
     except (KafkaException, KeyError) as exc:  # no answer: any node still makes a fault
         node_id, why = cluster.nodes[0].node_id, f"no role known ({exc}); the first node"
     return BrokerTarget([cluster.node(node_id)], f"node {node_id}: {why}")
+
+
+def stop_nodes(nodes: list[KafkaBroker], how: str) -> None:
+    """Stop ``nodes`` at once: killed (``kill``), or each shutting down in a controlled way
+    (``term``) side by side, as two nodes failing together do."""
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        stops = [pool.submit(node.kill if how == "kill" else node.stop) for node in nodes]
+    for stop in stops:
+        stop.result()  # raises what a stop raised
 
 
 def _node_in_role(cluster: KafkaCluster, role: str, mode: str, run_id: str) -> tuple[int, str]:

@@ -99,12 +99,13 @@ SEED = _Seed()
 )
 @click.option(
     "--brokers",
-    type=click.IntRange(min=1, max=5),
-    default=1,
+    type=click.Choice(["1", "3", "5"]),
+    default="1",
     show_default=True,
-    help="Kafka nodes. Above 1, a KRaft cluster (replication factor = nodes, "
+    help="Kafka nodes. 3 or 5: a KRaft cluster (replication factor = nodes, "
     "min.insync.replicas one less) whose broker restarts stop the node leading most "
-    "partitions or coordinating most transactions, and, from 3 nodes, two nodes at once.",
+    "partitions or coordinating most transactions, and which has two nodes down at once. "
+    "(An odd count, so that one node down keeps the controllers' majority.)",
 )
 @click.option(
     "--output",
@@ -125,7 +126,7 @@ def chaos(
     writer_processes: int | None,
     database_faults: bool,
     overlapping_faults: bool,
-    brokers: int,
+    brokers: str,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
@@ -155,7 +156,7 @@ def chaos(
         chosen,
         database_path_faults=database_faults,
         overlapping_faults=overlapping_faults,
-        brokers=brokers,
+        brokers=int(brokers),
     )
     if plan_only:
         for fault in plan(seed, chosen, duration):

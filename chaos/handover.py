@@ -117,9 +117,11 @@ class ShardWatch:
                 del self._shard_opened[shard]
 
 
-#: A fault injected this soon after the one before it healed shares its gaps with that one's
-#: aftermath (a broker back up, its coordinators still loading): they are reported apart.
+#: A fault injected this soon after Kafka came back shares its gaps with Kafka's aftermath
+#: (partition leaders and transaction coordinators still loading): they are reported apart.
 AFTERMATH = 5.0
+#: Faults after whose heal Kafka has an aftermath: a broker restarted (or an overlap with one).
+KAFKA_RESTARTS = ("broker_restart", "brokers_down")
 
 
 def healed_at(fault: dict[str, Any]) -> float:
@@ -132,20 +134,26 @@ def healed_at(fault: dict[str, Any]) -> float:
 def attribute(gap: Gap, faults: list[dict[str, Any]]) -> str:
     """What ``gap`` is put down to: the fault last injected before it opened, and whether it
     opened while that fault held or after its heal ("<kind>, after the heal"); a fault that
-    landed under :data:`AFTERMATH` seconds after the one before it healed says so
+    landed under :data:`AFTERMATH` seconds after a broker restart healed says so
     ("<kind>, under 5 s after <previous kind>"). "start" before any fault."""
     before = [fault for fault in faults if fault["t"] <= gap.opened]
     if not before:
         return "start"
     last = before[-1]
     kind = str(last["kind"])
-    if len(before) > 1 and last["t"] - healed_at(before[-2]) < AFTERMATH:
-        kind += f", under {AFTERMATH:.0f} s after {before[-2]['kind']}"
+    previous = before[-2] if len(before) > 1 else None
+    if previous and _restarts_kafka(previous) and last["t"] - healed_at(previous) < AFTERMATH:
+        kind += f", under {AFTERMATH:.0f} s after {previous['kind']}"
     # Past the heal (plus the watch's own interval) the gap is the aftermath: a restarted
     # relay joining, the others letting shards go for it.
     if gap.opened > healed_at(last) + 2 * INTERVAL:
         kind += ", after the heal"
     return kind
+
+
+def _restarts_kafka(fault: dict[str, Any]) -> bool:
+    parts = fault.get("parts") or [fault]
+    return any(part["kind"] in KAFKA_RESTARTS for part in parts)
 
 
 def by_fault(gaps: list[Gap], faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

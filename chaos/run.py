@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from outbox import migrate
 from outbox.chaos import applied, audit
-from outbox.chaos.brokers import broker_target
+from outbox.chaos.brokers import broker_target, stop_nodes
 from outbox.chaos.consumers import ConsumerFleet, wait_caught_up
 from outbox.chaos.fleet import ProcessFleet
 from outbox.chaos.handover import ShardWatch, by_fault, gap_lines
@@ -48,6 +48,7 @@ from outbox.chaos.schedule import (
     NET_LATENCY,
     NET_STALL,
     POSTGRES_RESTART,
+    PROCESS_FAULTS,
     RELAY_KILL,
     RELAY_TERM,
     WRITER_KILL,
@@ -315,15 +316,21 @@ class ChaosRun:
             self._wait_until(self.log.elapsed() + fault.hold)
             logged["healed"] = self.log.event(self._heal(fault))["t"]
             return
-        # An overlap: the second fault lands while the first holds; each heals at its time.
+        # An overlap: the second fault lands while the first holds. Each part's hold counts
+        # from when it is in place (a broker's controlled shutdown can take longer than the
+        # hold), and a stopped process still comes back only after the first part healed.
         first, second = fault.parts
-        started = self.log.elapsed()
         self._break(first)
-        self._wait_until(started + second.at - first.at)
+        first_down = self.log.elapsed()
+        self._wait_until(first_down + second.at - first.at)
         self._break(second)
+        second_down = self.log.elapsed()
         self.log.event(f"and now {second.describe()}")
-        for part in sorted(fault.parts, key=lambda part: part.heals_at):
-            self._wait_until(started + part.heals_at - first.at)
+        heals = [(first_down + first.hold, first), (second_down + second.hold, second)]
+        if second.kind in PROCESS_FAULTS:
+            heals[1] = (max(heals[1][0], heals[0][0] + 0.1), second)
+        for heal_at, part in sorted(heals, key=lambda heal: heal[0]):
+            self._wait_until(heal_at)
             logged["healed"] = self.log.event(self._heal(part))["t"]
 
     def _break(self, fault: Fault) -> None:
@@ -340,8 +347,7 @@ class ChaosRun:
         elif fault.kind in (BROKER_RESTART, BROKERS_DOWN):
             hit = broker_target(stack, fault, self.settings.mode, self.run_id)
             self.log.event(f"stopping {hit.why}")
-            for node in hit.nodes:
-                node.kill() if fault.how == "kill" else node.stop()
+            stop_nodes(hit.nodes, fault.how or "term")
         elif fault.kind == POSTGRES_RESTART:
             stack.postgres.stop(mode=fault.how or "fast")
         elif fault.kind == NET_LATENCY:

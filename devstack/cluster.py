@@ -151,8 +151,12 @@ class KafkaCluster:
     def transaction_coordinators(self, transactional_ids: list[str]) -> dict[str, int]:
         """Transactional id -> the node coordinating its transactions now."""
         leaders = self.leaders(TRANSACTION_STATE)
-        return {tid: leaders.get(coordinator_partition(tid), -1) for tid in transactional_ids}
+        return {
+            tid: leaders.get(coordinator_partition(tid, len(leaders)), -1)
+            for tid in transactional_ids
+        }
 
     def group_coordinator(self, group: str) -> int:
         """The node coordinating consumer group ``group`` now."""
-        return self.leaders(CONSUMER_OFFSETS).get(coordinator_partition(group), -1)
+        leaders = self.leaders(CONSUMER_OFFSETS)
+        return leaders.get(coordinator_partition(group, len(leaders)), -1)
