@@ -14,6 +14,7 @@ and the audit connect directly).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -56,29 +57,27 @@ class ProxyGroup:
     def __init__(self, proxies: list[FaultProxy]) -> None:
         self.proxies = proxies
 
-    def start(self) -> None:
+    def _each(self, act: Callable[[FaultProxy], None]) -> None:
         for proxy in self.proxies:
-            proxy.start()
+            act(proxy)
+
+    def start(self) -> None:
+        self._each(FaultProxy.start)
 
     def close(self) -> None:
-        for proxy in self.proxies:
-            proxy.close()
+        self._each(FaultProxy.close)
 
     def set_latency(self, milliseconds: int) -> None:
-        for proxy in self.proxies:
-            proxy.set_latency(milliseconds)
+        self._each(lambda proxy: proxy.set_latency(milliseconds))
 
     def stall(self) -> None:
-        for proxy in self.proxies:
-            proxy.stall()
+        self._each(FaultProxy.stall)
 
     def drop(self) -> None:
-        for proxy in self.proxies:
-            proxy.drop()
+        self._each(FaultProxy.drop)
 
     def heal(self) -> None:
-        for proxy in self.proxies:
-            proxy.heal()
+        self._each(FaultProxy.heal)
 
 
 class ChaosStack:
