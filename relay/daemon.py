@@ -15,6 +15,7 @@ releases the shards and exits 0.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -23,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
@@ -48,6 +50,7 @@ from outbox.relay.producers import (
     InFlight,
 )
 from outbox.relay.progress import ensure_progress_topic
+from outbox.relay.recording import OutcomeRecorder
 from outbox.relay.store import Failure, PendingRow, RelayStore, shard_window
 from outbox.relay.tracing import start_batch_span
 from outbox.relay.wakeup import WakeUp
@@ -92,6 +95,8 @@ NOBODY_SERVING_GRACE = 5.0
 UNREACHABLE_BEFORE_STEPPING_ASIDE = 10.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
+#: The same wait while an outcome is being recorded: its shards are read once it is.
+RECORDING_POLL = 0.001
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
 GC_THRESHOLDS = (50_000, 20, 100)
 
@@ -109,6 +114,18 @@ def tune_garbage_collector() -> None:
     """
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+@dataclass(eq=False)
+class _Ended:
+    """Batches that ended together, and what to record of them."""
+
+    flights: Sequence[InFlight]
+    acked_at: datetime
+    acks: list[Ack] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    lost_shards: list[int] = field(default_factory=list)
+    gaps: list[uuid.UUID] = field(default_factory=list)
 
 
 class Relay:
@@ -151,6 +168,8 @@ class Relay:
         #: The rows of the batches in flight; the shards each batch holds, and when it began.
         self._rows: dict[uuid.UUID, PendingRow] = {}
         self._busy_shards: dict[InFlight, tuple[set[int], float, Callable[[], None]]] = {}
+        #: Batches that ended, their outcome being recorded (they keep their shards busy).
+        self._recorder: OutcomeRecorder[_Ended] = OutcomeRecorder()
         #: Which half of the owned shards the next read starts with.
         self._half = 0
         #: The last read with nothing in flight found nothing: the next reads every shard.
@@ -271,14 +290,20 @@ class Relay:
         """Record the batches that ended, start the next one if shards are idle, else wait for
         one in flight. Returns whether there is work (False: idle, nothing in flight)."""
         assert self._publisher is not None
+        self._collect_recordings(block=False)
         self._settle(self._publisher.wait(0))
         started = False if self._stop.is_set() else self._start_next()
         settled = False
         if self._publisher.in_flight and not started:
-            settled = self._settle(self._publisher.wait(WAIT_SLICE))
+            # While an outcome is being recorded, Kafka is served in short slices: its shards
+            # are read again as soon as it is recorded.
+            slice_ = RECORDING_POLL if len(self._recorder) else WAIT_SLICE
+            settled = self._settle(self._publisher.wait(slice_))
+        elif len(self._recorder) and not started:
+            settled = self._collect_recordings(block=True)
         # A batch just recorded may have left rows behind it (the batch size, a shard's
         # window): look again before sleeping, since no commit is left to wake this relay.
-        return started or settled or self._publisher.in_flight > 0
+        return started or settled or self._publisher.in_flight > 0 or len(self._recorder) > 0
 
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.
@@ -318,6 +343,7 @@ class Relay:
             if row.record is None
         ]
         if undecodable:
+            self._collect_recordings(block=True)  # a transaction: alone on the session
             self.store.record_outcome([], undecodable, owner_connection=self._conn)
             self._observe_failures(undecodable, {row.id: "?" for row in batch})
         records = [row.record for row in batch if row.record is not None]
@@ -346,67 +372,91 @@ class Relay:
         return self.store.read_batch(shards, size, self._conn, per_shard)
 
     def _settle(self, flights: Sequence[InFlight]) -> bool:
-        """Record the outcome of batches that ended, in one statement where possible."""
+        """Record the outcome of batches that ended, in one statement where possible: in the
+        background when they were all acknowledged (see :mod:`outbox.relay.recording`)."""
         # Batches of a connection that was lost meanwhile are forgotten: their rows are read
         # again (or, exactly-once, marked from the progress record by the next owner).
         flights = [flight for flight in flights if flight in self._busy_shards]
         if not flights:
             return False
-        assert self._publisher is not None and self._ownership is not None
-        acked_at = datetime.now(UTC)
-        records = [record for flight in flights for record in flight.records]
-        acks: list[Ack] = []
-        failures: list[Failure] = []
-        lost_shards: list[int] = []
-        gaps: list[uuid.UUID] = []
+        ended = _Ended(flights, datetime.now(UTC))
         for flight in flights:
             result = flight.result
-            acks.extend(result.acks)
+            ended.acks.extend(result.acks)
             for record_id, error in result.errors.items():
-                failures.append(self._failure(self._rows[record_id], classify(error), error.str()))
-            lost_shards.extend(result.lost_shards)
-            gaps.extend(order_gaps(flight.records, result, lambda e: classify(e) == RETRIABLE))
+                ended.failures.append(
+                    self._failure(self._rows[record_id], classify(error), error.str())
+                )
+            ended.lost_shards.extend(result.lost_shards)
+            ended.gaps.extend(
+                order_gaps(flight.records, result, lambda e: classify(e) == RETRIABLE)
+            )
         # Rows not attempted (a shutdown, an aborted transaction) are still pending, untouched:
         # they are read again.
-        self.store.record_outcome(acks, failures, owner_connection=self._conn)
+        if ended.failures or not ended.acks:
+            # Several statements in one transaction: nothing else may run on the session.
+            self._collect_recordings(block=True)
+            self._record(ended)
+            self._finish(ended)
+        else:
+            self._recorder.submit(ended, functools.partial(self._record, ended))
+        return True
+
+    def _record(self, ended: _Ended) -> None:
+        self.store.record_outcome(ended.acks, ended.failures, owner_connection=self._conn)
+
+    def _collect_recordings(self, block: bool) -> bool:
+        """Finish the batches whose outcome the background recorded (with ``block``, every
+        one being recorded, waiting for them). Returns whether any was finished."""
+        finished = False
+        for ended in self._recorder.collect(block):
+            self._finish(ended)
+            finished = True
+        return finished
+
+    def _finish(self, ended: _Ended) -> None:
+        """A batch's outcome is recorded: its shards are idle again."""
+        assert self._publisher is not None and self._ownership is not None
         now = time.monotonic()
-        for flight in flights:
+        for flight in ended.flights:
             _, began, end_span = self._busy_shards.pop(flight)
             self.metrics.batch_seconds.observe(now - began)
             end_span()
-        if lost_shards:
+        if ended.lost_shards:
             # Unlocked, not just forgotten: the advisory lock is re-entrant, so a shard locked
             # again later while still held would stay locked after the next release. Not taken
             # back here for a while: its take-over may block while Kafka is unwell, and another
             # relay may serve it meanwhile.
-            log.warning("letting go of shards %s: their producer cannot go on", lost_shards)
-            self._publisher.let_go(lost_shards)
-            self._ownership.release(lost_shards, hold_off=LOST_SHARD_HOLD_OFF)
-        if gaps:
-            self.metrics.order_gaps.inc(len(gaps))
+            log.warning("letting go of shards %s: their producer cannot go on", ended.lost_shards)
+            self._publisher.let_go(ended.lost_shards)
+            self._ownership.release(ended.lost_shards, hold_off=LOST_SHARD_HOLD_OFF)
+        if ended.gaps:
+            self.metrics.order_gaps.inc(len(ended.gaps))
             log.error(
                 "%d messages were acknowledged after an earlier message of their key failed",
-                len(gaps),
-                extra={"message_ids": [str(g) for g in gaps]},
+                len(ended.gaps),
+                extra={"message_ids": [str(g) for g in ended.gaps]},
             )
+        acks, failures = ended.acks, ended.failures
         self.health.batch_done(progressed=bool(acks or failures) or self._stop.is_set())
         if acks:
             self.health.kafka_ok = True
             self._last_ack = self._last_reached = now
             self._ownership.mark_serving()
-        elif lost_shards or any(failure.delay is not None for failure in failures):
+        elif ended.lost_shards or any(failure.delay is not None for failure in failures):
             self._ownership.mark_failing()  # nothing got through, and it will be retried
-        self._observe(records, acks, failures, acked_at)
+        records = [record for flight in ended.flights for record in flight.records]
+        self._observe(records, acks, failures, ended.acked_at)
         for record in records:
             self._rows.pop(record.id, None)
-        self.batches += len(flights)
-        return True
+        self.batches += len(ended.flights)
 
     def _drain(self) -> None:
         """Wait for every batch in flight and record it (before ownership changes)."""
         assert self._publisher is not None
         while self._publisher.in_flight:
             self._settle(self._publisher.wait(WAIT_SLICE))
+        self._collect_recordings(block=True)
 
     def _failure(self, row: PendingRow, kind: str, error: str) -> Failure:
         if kind == RETRIABLE and not self.config.retry.gives_up(row.attempts):
@@ -540,6 +590,8 @@ class Relay:
             return
         assert self._ownership is not None and self._publisher is not None
         self._next_rebalance = now + self.config.rebalance_interval
+        # Ownership runs pipelines on the session: nothing may be recorded meanwhile.
+        self._collect_recordings(block=True)
         self._publisher.serve_events()
         if not self._ownership.joined and self._stays_aside(now):
             return  # stepped aside: the others serve its share meanwhile
@@ -709,6 +761,7 @@ class Relay:
             # batches in flight stay pending, to be read again by whoever owns them next.
             self._publisher.stop_sending()
             self._publisher.wait(0)
+        self._recorder.abandon()  # no statement may run on the session when it is closed
         self._busy_shards.clear()
         self._rows.clear()
         if self._ownership is not None:
@@ -729,6 +782,7 @@ class Relay:
                 self._drain()  # give_up (half the shutdown timeout) cuts it short
         except Exception as error:  # the rows stay pending: the next owner sends them
             log.warning("batches in flight at shutdown not recorded: %s", error)
+        self._recorder.abandon()  # before the shards are let go
         try:
             if self._ownership is not None and self._conn is not None and not self._conn.closed:
                 released = self._ownership.release_all()
@@ -736,6 +790,7 @@ class Relay:
                     self._wake.busy()  # an idle relay in this one's care takes the watch
         except psycopg.Error:
             pass  # the locks go with the connection anyway
+        self._recorder.close()
         if self._publisher is not None:
             self._publisher.close()
         if self._conn is not None:

@@ -16,11 +16,14 @@ import sqlalchemy as sa
 from confluent_kafka import KafkaError, KafkaException
 
 from outbox import Message, Outbox
+from outbox.engines import sender_engine
 from outbox.records import OutboxRecord
 from outbox.relay.config import RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.relay.policy import RetryPolicy
 from outbox.relay.producers import InFlight
+from outbox.relay.store import RelayStore
+from outbox.schema import OutboxTableSpec
 from outbox.sending import Ack, BatchResult
 from tests.relay_helpers import looping
 
@@ -175,6 +178,70 @@ def test_two_batches_are_in_flight_at_once_on_disjoint_shards(engine, outbox_url
         wait_for(lambda: statuses(engine) == {"sent": 3000})
     assert stub.overlaps > 0  # the next batch started while the last was in flight
     assert len(stub.acked) == 3000 and by_key_in_seq_order(stub.acked)
+
+
+class SlowMarks(RelayStore):
+    """Marks that take ``seconds`` on the owner session; when each ran, and on which shards."""
+
+    def __init__(self, url: str, seconds: float) -> None:
+        super().__init__(sender_engine(url), OutboxTableSpec(), "slow-marks")
+        self.seconds = seconds
+        self.shard_of: dict[uuid.UUID, int] = {}
+        self.marks: list[tuple[float, float, frozenset[int]]] = []
+
+    def read_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows = super().read_batch(*args, **kwargs)
+        self.shard_of.update((row.id, row.shard) for row in rows)
+        return rows
+
+    def record_outcome(self, acks, failures=(), released=(), owner_connection=None) -> None:  # type: ignore[no-untyped-def]
+        began = time.monotonic()
+        if owner_connection is not None:
+            owner_connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
+        super().record_outcome(acks, failures, released, owner_connection)
+        shards = frozenset(self.shard_of[a.id] for a in acks)
+        self.marks.append((began, time.monotonic(), shards))
+
+
+class TimedStub(StubPublisher):
+    def __init__(self, latency: float) -> None:
+        super().__init__(latency)
+        self.starts: list[tuple[float, frozenset[int]]] = []
+        self.waits: list[float] = []
+
+    def start(self, records: Sequence[OutboxRecord]) -> list[InFlight]:
+        self.starts.append((time.monotonic(), frozenset(r.shard for r in records)))
+        return super().start(records)
+
+    def wait(self, timeout: float) -> list[InFlight]:
+        self.waits.append(time.monotonic())
+        return super().wait(timeout)
+
+
+def test_a_batch_is_marked_in_the_background_and_its_shards_wait_for_the_mark(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """While a batch's mark runs, the loop goes on serving Kafka (the other batch in flight
+    ends meanwhile); the batch's shards are read again only after it is recorded: nothing goes
+    twice, keys stay in order."""
+    publish(engine, 3000, keys=200)
+    store = SlowMarks(outbox_url, seconds=0.1)
+    stub = TimedStub(latency=0.01)
+    try:
+        with looping(Relay(config(outbox_url), store=store, publisher=stub)):
+            wait_for(lambda: statuses(engine) == {"sent": 3000})
+    finally:
+        store.engine.dispose()
+    assert len(stub.acked) == 3000 and by_key_in_seq_order(stub.acked)
+    served_during_a_mark = [
+        at for at in stub.waits for began, ended, _ in store.marks if began < at < ended
+    ]
+    assert served_during_a_mark, "Kafka was not served while a mark ran: marks stop the loop"
+    for at, shards in stub.starts:
+        for began, ended, marked in store.marks:
+            assert not (began < at < ended and shards & marked), (
+                "a shard's rows were read again while its batch was being marked"
+            )
 
 
 def test_a_transaction_written_to_an_idle_relay_goes_in_one_batch_over_all_its_shards(

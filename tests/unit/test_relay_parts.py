@@ -267,3 +267,46 @@ def test_letting_go_of_a_fenced_exactly_once_producer_does_not_raise() -> None:
     finally:
         publisher.close()
     assert publisher.producers == {}
+
+
+def test_outcomes_are_recorded_in_the_background_in_order_and_collected_as_they_finish() -> None:
+    import threading
+
+    from outbox.relay.recording import OutcomeRecorder
+
+    recorder: OutcomeRecorder[str] = OutcomeRecorder()
+    release = threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        release.wait(5)
+        ran.append("first")
+
+    recorder.submit("first", first)
+    recorder.submit("second", lambda: ran.append("second"))
+    assert list(recorder.collect(block=False)) == []  # the first still runs: nothing yet
+    assert len(recorder) == 2
+    release.set()
+    assert list(recorder.collect(block=True)) == ["first", "second"]
+    assert ran == ["first", "second"] and len(recorder) == 0
+    recorder.close()
+
+
+def test_a_failed_recording_raises_when_collected_and_abandon_forgets_the_rest() -> None:
+    from outbox.relay.recording import OutcomeRecorder
+
+    def fail() -> None:
+        raise ConnectionError("session lost")
+
+    recorder: OutcomeRecorder[str] = OutcomeRecorder()
+    recorder.submit("ok", lambda: None)
+    recorder.submit("lost", fail)
+    recorder.submit("after", lambda: None)
+    collected: list[str] = []
+    with pytest.raises(ConnectionError):
+        for batch in recorder.collect(block=True):
+            collected.append(batch)
+    assert collected == ["ok"] and len(recorder) == 2
+    recorder.abandon()
+    assert len(recorder) == 0 and list(recorder.collect(block=True)) == []
+    recorder.close()
