@@ -95,8 +95,9 @@ NOBODY_SERVING_GRACE = 5.0
 UNREACHABLE_BEFORE_STEPPING_ASIDE = 10.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
-#: The same wait while an outcome is being recorded: its shards are read once it is.
-RECORDING_POLL = 0.001
+#: The wait for an outcome being recorded while batches are in flight: Kafka's reports
+#: are served at least this often meanwhile.
+RECORDING_POLL = 0.002
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
 GC_THRESHOLDS = (50_000, 20, 100)
 
@@ -295,10 +296,14 @@ class Relay:
         started = False if self._stop.is_set() else self._start_next()
         settled = False
         if self._publisher.in_flight and not started:
-            # While an outcome is being recorded, Kafka is served in short slices: its shards
-            # are read again as soon as it is recorded.
-            slice_ = RECORDING_POLL if len(self._recorder) else WAIT_SLICE
-            settled = self._settle(self._publisher.wait(slice_))
+            if len(self._recorder):
+                # An outcome is being recorded: its shards are read again as soon as it is,
+                # and Kafka is served between short waits for it.
+                settled = self._settle(self._publisher.wait(0))
+                if not settled:
+                    self._recorder.wait(RECORDING_POLL)
+            else:
+                settled = self._settle(self._publisher.wait(WAIT_SLICE))
         elif len(self._recorder) and not started:
             settled = self._collect_recordings(block=True)
         # A batch just recorded may have left rows behind it (the batch size, a shard's
@@ -393,17 +398,21 @@ class Relay:
             )
         # Rows not attempted (a shutdown, an aborted transaction) are still pending, untouched:
         # they are read again.
-        if ended.failures or not ended.acks:
+        if ended.failures:
             # Several statements in one transaction: nothing else may run on the session.
             self._collect_recordings(block=True)
-            self._record(ended)
+            self.store.record_outcome(ended.acks, ended.failures, owner_connection=self._conn)
             self._finish(ended)
+        elif ended.acks:
+            # Bound to this session: a mark never runs on the next one, which may not hold
+            # the shards.
+            record = functools.partial(
+                self.store.record_outcome, ended.acks, owner_connection=self._conn
+            )
+            self._recorder.submit(ended, record)
         else:
-            self._recorder.submit(ended, functools.partial(self._record, ended))
+            self._finish(ended)  # nothing to record: every row stays pending, untouched
         return True
-
-    def _record(self, ended: _Ended) -> None:
-        self.store.record_outcome(ended.acks, ended.failures, owner_connection=self._conn)
 
     def _collect_recordings(self, block: bool) -> bool:
         """Finish the batches whose outcome the background recorded (with ``block``, every
@@ -528,6 +537,10 @@ class Relay:
             self._publisher = self._make_publisher()
         if self._conn is not None and not self._conn.closed:
             return
+        if self._conn is not None:
+            # Broken under a statement whose error the loop has not seen yet (a mark being
+            # recorded in the background): let go of what the old session held first.
+            self._lost_database(psycopg.OperationalError("the relay's session was closed"))
         url = sa.make_url(self.config.database_url)
         self._conn = psycopg.connect(
             host=url.host or "localhost",

@@ -48,6 +48,11 @@ class OutcomeRecorder(Generic[T]):
         """Start recording ``batch`` with ``record()``, after what was submitted before."""
         self._pending.append(Recording(batch, self._worker.submit(record)))
 
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the oldest outcome being recorded."""
+        if self._pending:
+            wait_for_futures([self._pending[0].future], timeout)
+
     def collect(self, block: bool) -> Iterator[T]:
         """The batches recorded so far, in the order submitted; with ``block``, every one
         submitted, waiting for each. A statement that failed raises its error here (the

@@ -188,6 +188,8 @@ class SlowMarks(RelayStore):
         self.seconds = seconds
         self.shard_of: dict[uuid.UUID, int] = {}
         self.marks: list[tuple[float, float, frozenset[int]]] = []
+        #: Set while a mark sleeps: its session is busy.
+        self.sleeping = threading.Event()
 
     def read_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         rows = super().read_batch(*args, **kwargs)
@@ -197,7 +199,11 @@ class SlowMarks(RelayStore):
     def record_outcome(self, acks, failures=(), released=(), owner_connection=None) -> None:  # type: ignore[no-untyped-def]
         began = time.monotonic()
         if owner_connection is not None:
-            owner_connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
+            self.sleeping.set()
+            try:
+                owner_connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
+            finally:
+                self.sleeping.clear()
         super().record_outcome(acks, failures, released, owner_connection)
         shards = frozenset(self.shard_of[a.id] for a in acks)
         self.marks.append((began, time.monotonic(), shards))
@@ -242,6 +248,47 @@ def test_a_batch_is_marked_in_the_background_and_its_shards_wait_for_the_mark(
             assert not (began < at < ended and shards & marked), (
                 "a shard's rows were read again while its batch was being marked"
             )
+
+
+class LettingGo(StubPublisher):
+    def __init__(self, latency: float) -> None:
+        super().__init__(latency)
+        self.let_go_shards: set[int] = set()
+
+    def let_go(self, shards: Sequence[int]) -> None:
+        self.let_go_shards.update(shards)
+
+
+def test_a_session_lost_under_a_background_mark_lets_go_of_its_shards_and_sends_everything(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """The owner session dies while a batch is being marked in the background: the relay lets
+    go of the shards that session held before it connects again, then takes them back and
+    sends every row (at least once)."""
+    from outbox.schema import SHARD_COUNT
+
+    ids = publish(engine, 3000, keys=200)
+    store = SlowMarks(outbox_url, seconds=0.3)
+    stub = LettingGo(latency=0.01)
+    relay = Relay(config(outbox_url), store=store, publisher=stub)
+    try:
+        with looping(relay):
+            assert store.sleeping.wait(20)
+            owned = set(relay._ownership.owned) if relay._ownership else set()
+            with engine.connect() as conn:
+                killed = conn.execute(
+                    sa.text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = :name"
+                    ),
+                    {"name": relay.owner[:63]},
+                ).scalar_one()
+            assert killed == 1
+            wait_for(lambda: statuses(engine) == {"sent": 3000}, 60)
+    finally:
+        store.engine.dispose()
+    assert len(owned) == SHARD_COUNT and stub.let_go_shards >= owned
+    assert {record.id for record in stub.acked} == set(ids)  # each went, some twice
 
 
 def test_a_transaction_written_to_an_idle_relay_goes_in_one_batch_over_all_its_shards(
