@@ -23,7 +23,10 @@ def sender_engine(
     estimates look large, and compiling them takes longer (tens of milliseconds) than they run.
 
     ``nested_loops=False`` makes an engine for the marking statements: see
-    :func:`hash_joins_only`, here for every statement of the session.
+    :func:`hash_joins_only`, here for every statement of the session. They find their rows by
+    primary key, so sequential scans are off too: a table that grew fast since it was last
+    analyzed (or was truncated) looks small to the planner, which would then scan all of it
+    for each batch.
 
     ``durable=False`` lets commits skip the wait for the WAL flush: the relay's engine, which
     commits nothing a crash may not forget (its marks run on its own session, see
@@ -36,7 +39,7 @@ def sender_engine(
     """
     options = "-c plan_cache_mode=force_custom_plan -c jit=off"
     if not nested_loops:
-        options += " -c enable_nestloop=off"
+        options += " -c enable_nestloop=off -c enable_seqscan=off"
     # Set either way: a database or role default of "off" must not make marks forgettable.
     options += " -c synchronous_commit=" + ("on" if durable else "off")
     return sa.create_engine(

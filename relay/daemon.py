@@ -556,10 +556,14 @@ class Relay:
             keepalives_count=3,
             application_name=self.owner[:63],
             # The batch reads run here too (see RelayStore.read_batch): planned per statement.
+            # No sequential scans: right after a TRUNCATE, or before autovacuum analyzes a
+            # table that grew fast, the planner takes the table for a small one and scans all
+            # of it for each mark (hundreds of milliseconds on a busy table; every statement of
+            # this session has an index to use).
             # Marks are committed here: see RelayConfig.marks_wait_for_flush.
             # Set either way: a database or role default must not decide it.
-            options="-c plan_cache_mode=force_custom_plan -c jit=off -c synchronous_commit="
-            + ("on" if self.config.marks_wait_for_flush else "off"),
+            options="-c plan_cache_mode=force_custom_plan -c jit=off -c enable_seqscan=off"
+            " -c synchronous_commit=" + ("on" if self.config.marks_wait_for_flush else "off"),
         )
         # The server, too, should notice a vanished relay quickly and drop its locks.
         self._conn.execute("SET tcp_keepalives_idle = 5")
