@@ -250,6 +250,39 @@ def test_a_batch_is_marked_in_the_background_and_its_shards_wait_for_the_mark(
             )
 
 
+def test_failures_are_recorded_after_the_background_marks_and_keys_keep_their_order(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """Batches with failures are recorded by the loop in a transaction of its own, after the
+    marks running in the background: every message goes once it is acknowledged, a retried
+    key's later messages wait for it, and each failure is counted as an attempt."""
+    ids = publish(engine, 2000, keys=100)
+    failing = set(ids[::97])
+    tries: dict[uuid.UUID, int] = {}
+
+    def decide(record: OutboxRecord) -> str:
+        if record.id in failing and tries.get(record.id, 0) < 1:
+            tries[record.id] = tries.get(record.id, 0) + 1
+            return "retry"
+        return "ack"
+
+    store = SlowMarks(outbox_url, seconds=0.05)
+    stub = StubPublisher(latency=0.01)
+    stub.decide = decide
+    try:
+        with looping(Relay(config(outbox_url), store=store, publisher=stub)):
+            wait_for(lambda: statuses(engine) == {"sent": 2000}, 60)
+    finally:
+        store.engine.dispose()
+    assert tries == {message_id: 1 for message_id in failing}
+    assert len(stub.acked) == 2000 and by_key_in_seq_order(stub.acked)
+    with engine.connect() as conn:
+        attempts = conn.execute(
+            sa.text("SELECT id, attempts FROM outbox WHERE id = ANY(:ids)"), {"ids": list(failing)}
+        ).all()
+    assert {row.attempts for row in attempts} == {2}
+
+
 class LettingGo(StubPublisher):
     def __init__(self, latency: float) -> None:
         super().__init__(latency)
