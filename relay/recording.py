@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 log = logging.getLogger("outbox.relay")
@@ -31,7 +31,7 @@ class Recording(Generic[T]):
     """One outcome being recorded: what the loop finishes once it is (``batch``)."""
 
     batch: T
-    future: Future[None] = field(default_factory=Future)
+    future: Future[None]
 
 
 class OutcomeRecorder(Generic[T]):
@@ -67,7 +67,8 @@ class OutcomeRecorder(Generic[T]):
 
     def abandon(self) -> None:
         """The session is lost or closing: wait until no statement runs on it, and forget what
-        was being recorded (its rows stay pending, to be read again by their next owner)."""
+        was being recorded (a mark that did not commit leaves its rows pending, to be read
+        again by their next owner)."""
         wait_for_futures([recording.future for recording in self._pending])
         for recording in self._pending:
             error = recording.future.exception()
