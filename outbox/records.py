@@ -25,7 +25,8 @@ SAFE_PRODUCER_DEFAULTS: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
+# Not frozen, for the cost of building one per message read (see outbox.rows.PendingRow).
+@dataclass(slots=True)
 class OutboxRecord:
     """A leased outbox row, as much of it as producing needs."""
 

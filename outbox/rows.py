@@ -22,7 +22,9 @@ from outbox.sending import Ack
 UNDECODABLE = "undecodable"
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__, three
+# times the cost of a plain one, and the relay builds one of these per message it reads.
+@dataclass(slots=True)
 class PendingRow:
     """A pending row to send: the record to produce, or why it cannot be one."""
 
@@ -166,13 +168,18 @@ class OutboxRows:
         retry = [f for f in failures if f.delay is not None]
         dead = [f for f in failures if f.delay is None]
         statements: list[tuple[str, dict[str, Any]]] = []
+        # Any shard: a relay narrows it to those its owner session holds (see RelayStore).
+        anywhere = {"owner_pid": None, "lock_space": self.spec.lock_space("shard")}
         if acks and self.delete_on_send:
-            statements.append(("delete_sent", {"ids": array_literal(a.id for a in acks)}))
+            statements.append(
+                ("delete_sent", {"ids": array_literal(a.id for a in acks), **anywhere})
+            )
         elif acks:
             statements.append(
                 (
                     "mark_sent",
                     {
+                        **anywhere,
                         "ids": array_literal(a.id for a in acks),
                         "partitions": array_literal(a.partition for a in acks),
                         "offsets": array_literal(a.offset for a in acks),

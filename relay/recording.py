@@ -1,14 +1,16 @@
-"""Recording a batch's outcome in the background, on the owner session, while the loop goes on.
+"""Recording a batch's outcome in the background while the loop goes on.
 
-Marking a batch sent is one statement on the session that holds the shards' locks; it takes
-as long as reading the next batch. Run by a worker thread, it no longer stops the loop: the
-loop meanwhile serves Kafka, and reads and produces other shards' rows. A batch's shards stay
-busy until its outcome is recorded, so none of its rows is read again before it is marked.
+Marking a batch sent is one statement; it takes as long as reading the next batch. Run by
+worker threads, each on a session of its own beside the one that holds the shards' locks
+(the statement marks only rows of shards that session still holds), it no longer stops the
+loop: the loop meanwhile serves Kafka, and reads and produces other shards' rows, and the two
+halves' marks run side by side. A batch's shards stay busy until its outcome is recorded, so
+none of its rows is read again before it is marked, and no two marks being recorded touch the
+same shard.
 
-Only single autocommit statements are recorded here: psycopg runs one statement of a session
-at a time, but a transaction or a pipeline of the loop's own could take in a statement sent
-from another thread. The loop waits for what is being recorded (:meth:`OutcomeRecorder.collect`
-with ``block=True``) before it runs anything else than single statements on the session.
+Only single autocommit statements are recorded here. Outcomes with failures (a transaction on
+the owner session) are recorded by the loop itself, after it waited for what is being
+recorded (:meth:`OutcomeRecorder.collect` with ``block=True``).
 """
 
 from __future__ import annotations
@@ -35,17 +37,19 @@ class Recording(Generic[T]):
 
 
 class OutcomeRecorder(Generic[T]):
-    """One worker thread that runs the loop's outcome statements one after the other."""
+    """Worker threads that run the loop's outcome statements; the loop collects them in the
+    order it submitted them."""
 
-    def __init__(self) -> None:
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-record")
+    def __init__(self, workers: int = 1) -> None:
+        self._worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="outbox-record")
         self._pending: deque[Recording[T]] = deque()
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def submit(self, batch: T, record: Callable[[], None]) -> None:
-        """Start recording ``batch`` with ``record()``, after what was submitted before."""
+        """Start recording ``batch`` with ``record()`` (beside what was submitted before, with
+        several workers: each ``record`` names its own session)."""
         self._pending.append(Recording(batch, self._worker.submit(record)))
 
     def wait(self, timeout: float) -> None:
@@ -66,7 +70,7 @@ class OutcomeRecorder(Generic[T]):
             yield recording.batch
 
     def abandon(self) -> None:
-        """The session is lost or closing: wait until no statement runs on it, and forget what
+        """The sessions are lost or closing: wait until no statement runs on them, and forget what
         was being recorded (a mark that did not commit leaves its rows pending, to be read
         again by their next owner)."""
         wait_for_futures([recording.future for recording in self._pending])

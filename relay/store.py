@@ -41,21 +41,30 @@ class RelayStore(OutboxRows):
         self,
         shards: Sequence[int],
         batch_size: int,
-        owner_connection: psycopg.Connection | None = None,
+        connection: psycopg.Connection | None = None,
         per_shard: int | None = None,
+        owner_pid: int | None = None,
     ) -> list[PendingRow]:
         """The next rows of ``shards`` that may go now, in order (one statement): at most
         ``batch_size`` in all and ``per_shard`` of one shard (by default twice its share).
 
-        The relay reads on ``owner_connection``, the session that holds the shards' advisory
-        locks: a relay whose session is gone (and its shards with it) can read nothing more.
+        The relay reads on ``connection``, a session of its own, with ``owner_pid``, the
+        backend of its session that holds the shards' advisory locks: only the shards whose
+        lock that backend holds are read, so a relay whose owner session is gone (and its
+        shards with it) reads nothing more. Without ``owner_pid``, every shard is read.
         """
         if not shards:
             return []
         window = per_shard or shard_window(batch_size, len(shards))
-        params = {"shards": list(shards), "window": window, "batch_size": batch_size}
-        if owner_connection is not None:
-            with owner_connection.cursor() as cursor:
+        params = {
+            "shards": list(shards),
+            "window": window,
+            "batch_size": batch_size,
+            "owner_pid": owner_pid,
+            "lock_space": self.spec.lock_space("shard"),
+        }
+        if connection is not None:
+            with connection.cursor() as cursor:
                 cursor.execute(self._read_batch_sql, params)
                 assert cursor.description is not None
                 assert tuple(c.name for c in cursor.description) == READ_COLUMNS
@@ -69,28 +78,35 @@ class RelayStore(OutboxRows):
         acks: Sequence[Ack],
         failures: Sequence[Failure] = (),
         released: Sequence[uuid.UUID] = (),
-        owner_connection: psycopg.Connection | None = None,
+        connection: psycopg.Connection | None = None,
+        owner_pid: int | None = None,
     ) -> None:
-        """Record what Kafka said, on ``owner_connection`` when given: the session that holds
-        the rows' shards, so that a relay which lost them (and its session) records nothing
-        over what their next owner does.
+        """Record what Kafka said, on the relay's ``connection`` when given.
+
+        That is either the owner session, which holds the rows' shards, or a session beside
+        it, with ``owner_pid`` the owner session's backend: then only the rows of the shards
+        that backend still holds are recorded. Either way a relay which lost its shards (and
+        its owner session) records nothing over what their next owner does.
 
         Failures always wait for the disk flush, also where the session's acknowledgements
         do not (see ``RelayConfig.marks_wait_for_flush``): a forgotten dead or retry mark
         would send a message again after later messages of its key went."""
-        if owner_connection is None:
+        if connection is None:
             super().record_outcome(acks, failures, released)
             return
         assert not released, "the relay leases nothing to release"
         statements = self._outcome_statements(acks, failures)
         if len(statements) == 1 and not failures:  # the usual batch: one autocommit round trip
             name, params = statements[0]
-            owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
+            connection.execute(
+                self._psycopg_sql(name), {**params, "owner": None, "owner_pid": owner_pid}
+            )
             return
-        with owner_connection.pipeline(), owner_connection.transaction():
-            owner_connection.execute("SET LOCAL synchronous_commit = on")
+        assert owner_pid is None, "failures are recorded on the owner session"
+        with connection.pipeline(), connection.transaction():
+            connection.execute("SET LOCAL synchronous_commit = on")
             for name, params in statements:  # sent together: one round trip
-                owner_connection.execute(self._psycopg_sql(name), {**params, "owner": None})
+                connection.execute(self._psycopg_sql(name), {**params, "owner": None})
 
     @property
     def _read_batch_sql(self) -> str:

@@ -1,6 +1,17 @@
 -- Named queries on the outbox table. Each starts with `-- name: <name>` and a line saying what
 -- it does. {table} is the validated, schema-qualified table name; :params are bind parameters.
 
+-- name: shards_held
+-- The shards whose advisory locks (:lock_space, shard) the backend :owner_pid holds: a relay
+-- reads and marks on sessions of its own beside the one that holds its shards, and touches
+-- only the shards that one still holds when its statement starts.
+SELECT CAST(CAST(l.objid AS bigint) AS smallint)
+  FROM pg_locks AS l
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+   AND l.pid = CAST(:owner_pid AS integer)
+   AND l.classid = CAST(CAST(:lock_space AS bigint) AS oid)
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database());
+
 -- name: leased_behind_earlier
 -- Of the rows of an immediate sender's batch (:ids), those that may not go yet: their key has
 -- an earlier pending row that is not in this batch under the sender's live lease (a row of
@@ -89,7 +100,8 @@ UPDATE {table}
 -- name: mark_sent
 -- Record Kafka's acknowledgement (partition, offset) of pending rows, of the generation that was
 -- sent (a row requeued by repair meanwhile must go again). :owner, when given, is the immediate
--- sender that leased the rows; the relay passes NULL: it owns the rows' shards.
+-- sender that leased the rows; the relay passes NULL: it owns the rows' shards, and gives
+-- :owner_pid, so that only the rows of the shards it still holds are marked (see shards_held).
 UPDATE {table} AS o
    SET status = 'sent',
        sent_at = now(),
@@ -105,14 +117,16 @@ UPDATE {table} AS o
        AS acked (id, kafka_partition, kafka_offset, generation)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
    AND o.id = acked.id AND o.status = 'pending' AND o.generation = acked.generation
-   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner);
+   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner)
+   AND (CAST(:owner_pid AS integer) IS NULL OR o.shard IN ({shards_held}));
 
 -- name: delete_sent
--- Keep-nothing retention: drop pending rows once Kafka acknowledged them (:owner as in
--- mark_sent).
+-- Keep-nothing retention: drop pending rows once Kafka acknowledged them (:owner and
+-- :owner_pid as in mark_sent).
 DELETE FROM {table}
  WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'pending'
-   AND (CAST(:owner AS text) IS NULL OR lease_owner = :owner);
+   AND (CAST(:owner AS text) IS NULL OR lease_owner = :owner)
+   AND (CAST(:owner_pid AS integer) IS NULL OR shard IN ({shards_held}));
 
 -- name: purge_sent
 -- Delete one batch of rows that are done, from before the cutoff: sent rows created and sent
@@ -139,9 +153,14 @@ DELETE FROM {table} AS o
 -- Each shard's window is its first :window rows that could go: rows backing off, and the rows
 -- of their keys behind them, are passed over (one probe of the small retry index per row), so
 -- that a key with a deep backlog behind a failing message never fills the window by itself.
-WITH window_rows AS (
-    SELECT o.*
+-- Given :owner_pid, only the shards that backend holds are read (see shards_held).
+WITH held AS MATERIALIZED (
+    SELECT s.shard
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
+     WHERE CAST(:owner_pid AS integer) IS NULL OR s.shard IN ({shards_held})),
+window_rows AS (
+    SELECT o.*
+      FROM held AS s
      CROSS JOIN LATERAL (
            SELECT EXISTS (
                   SELECT 1 FROM {table} AS f

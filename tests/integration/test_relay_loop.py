@@ -196,15 +196,17 @@ class SlowMarks(RelayStore):
         self.shard_of.update((row.id, row.shard) for row in rows)
         return rows
 
-    def record_outcome(self, acks, failures=(), released=(), owner_connection=None) -> None:  # type: ignore[no-untyped-def]
+    def record_outcome(  # type: ignore[no-untyped-def]
+        self, acks, failures=(), released=(), connection=None, owner_pid=None
+    ) -> None:
         began = time.monotonic()
-        if owner_connection is not None:
+        if connection is not None:
             self.sleeping.set()
             try:
-                owner_connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
+                connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
             finally:
                 self.sleeping.clear()
-        super().record_outcome(acks, failures, released, owner_connection)
+        super().record_outcome(acks, failures, released, connection, owner_pid)
         shards = frozenset(self.shard_of[a.id] for a in acks)
         self.marks.append((began, time.monotonic(), shards))
 
@@ -369,11 +371,12 @@ def test_a_relay_woken_for_one_message_reads_it_in_whichever_half_of_its_shards(
     assert statuses(engine) == {"sent": 10}
 
 
-def test_a_backlog_of_two_keys_in_two_halves_is_read_beside_the_batch_in_flight(
+def test_a_backlog_of_two_keys_in_two_groups_is_read_beside_the_batch_in_flight(
     engine, outbox_url
 ) -> None:  # type: ignore[no-untyped-def]
-    """A backlog that sits in two shards still keeps two batches in flight: only the first
-    read after the relay found nothing takes every shard, and then at a half-read's window."""
+    """A backlog that sits in two shards of different read groups still keeps two batches in
+    flight: only the first read after the relay found nothing takes every shard, and then at
+    a group-read's window; an empty group is followed by the next, not by all the others."""
     from outbox.schema import SHARD_COUNT, shard_of
 
     keys = [f"k{n}" for n in range(200)]
@@ -919,3 +922,43 @@ def test_a_relay_whose_batches_get_through_takes_a_dead_relays_shards_without_pr
         writer.join()
         wait_for(lambda: set(statuses(engine)) == {"sent"})
     assert survivor_stub.probes == probes
+
+
+def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """The relay reads and marks on sessions of its own, naming the owner session's backend:
+    rows of shards that backend does not hold are neither read nor marked, and once the
+    owner session is gone nothing is."""
+    import psycopg
+
+    from outbox.schema import SHARD_COUNT
+
+    publish(engine, 400, keys=100)
+    spec = OutboxTableSpec()
+    store = RelayStore(sender_engine(outbox_url), spec, "guarded")
+    conninfo = sa.make_url(outbox_url).set(drivername="postgresql").render_as_string(False)
+    owner = psycopg.connect(conninfo, autocommit=True)
+    beside = psycopg.connect(conninfo, autocommit=True)
+    everything = store.read_batch(list(range(SHARD_COUNT)), 1000)
+    held = sorted({row.shard for row in everything})[:3]
+    try:
+        for shard in held:
+            owner.execute("SELECT pg_advisory_lock(%s, %s)", (spec.lock_space("shard"), shard))
+        pid = owner.info.backend_pid
+        read = store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, pid)
+        assert read and {row.shard for row in read} == set(held)
+        assert {row.id for row in read} == {row.id for row in everything if row.shard in held}
+
+        acks = [Ack(row.id, 0, n, row.record.generation) for n, row in enumerate(everything)]  # type: ignore[union-attr]
+        store.record_outcome(acks, connection=beside, owner_pid=pid)
+        assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
+
+        owner.close()  # its locks go with it
+        assert store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, pid) == []
+        store.record_outcome(acks, connection=beside, owner_pid=pid)
+        assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
+    finally:
+        owner.close()
+        beside.close()
+        store.engine.dispose()
