@@ -315,9 +315,9 @@ def bare_producer(bootstrap: str, topic: str, n: int) -> Run:
 
 
 def bare_pg_cycle(engine: sa.Engine, conninfo: str, n: int, delete: bool) -> Run:
-    """The relay's database work alone, its own statements the way it runs them: read the
-    next batch of every shard (on a session of its own, as the relay reads on the one that
-    holds its shards' locks), mark it sent (or delete it), again, until no row is left."""
+    """The relay's database work alone, its own statements, one after the other on one
+    session: read the next batch of every shard, mark it sent (or delete it), again, until no
+    row is left. (The relay runs them on sessions of its own, reads beside marks.)"""
     store = RelayStore(engine, OutboxTableSpec(), f"relay-{uuid.uuid4()}", delete_on_send=delete)
     owner = psycopg.connect(
         conninfo, autocommit=True, options="-c plan_cache_mode=force_custom_plan -c jit=off"

@@ -55,7 +55,14 @@ def sample(conninfo: str, read_sql: str, samples: Samples) -> None:
         conn.execute("SET jit = off")
         started = time.perf_counter()
         conn.execute(
-            read_sql, {"shards": list(range(SHARD_COUNT)), "window": 125, "batch_size": 1000}
+            read_sql,
+            {
+                "shards": list(range(SHARD_COUNT)),
+                "window": 125,
+                "batch_size": 1000,
+                "owner_key": None,
+                **DEFAULT_SPEC.held_shards_keys,
+            },
         ).fetchall()
         samples.read_ms.append((time.perf_counter() - started) * 1000)
     samples.table_mb.append(table / 2**20)
@@ -78,6 +85,8 @@ def one_run(
         conn.execute("SELECT pg_stat_reset()")
     read_sql = str(Queries(DEFAULT_SPEC)["read_batch"]).replace(":shards", "%(shards)s")
     read_sql = read_sql.replace(":window", "%(window)s").replace(":batch_size", "%(batch_size)s")
+    for name in ("owner_key", "lock_space", "session_space"):
+        read_sql = read_sql.replace(f":{name}", f"%({name})s")
     env = {
         **os.environ,
         "OUTBOX_DATABASE_URL": database_url,

@@ -169,7 +169,7 @@ class OutboxRows:
         dead = [f for f in failures if f.delay is None]
         statements: list[tuple[str, dict[str, Any]]] = []
         # Any shard: a relay narrows it to those its owner session holds (see RelayStore).
-        anywhere = {"owner_pid": None, "lock_space": self.spec.lock_space("shard")}
+        anywhere = {"owner_key": None, **self.spec.held_shards_keys}
         if acks and self.delete_on_send:
             statements.append(
                 ("delete_sent", {"ids": array_literal(a.id for a in acks), **anywhere})

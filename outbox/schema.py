@@ -84,6 +84,12 @@ class OutboxTableSpec:
         return zlib.crc32(f"outbox:{purpose}:{self.qualified_name}".encode()) & 0x7FFFFFFF
 
     @property
+    def held_shards_keys(self) -> dict[str, int]:
+        """The lock spaces the ``shards_held`` query names: the shards', and the one an owner
+        session takes under its own random key (``owner_key``) when it connects."""
+        return {"lock_space": self.lock_space("shard"), "session_space": self.lock_space("session")}
+
+    @property
     def wake_lock(self) -> tuple[int, int]:
         """The advisory lock that says whether a commit must wake a relay.
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import queue
+import secrets
 import signal
 import threading
 import time
@@ -170,13 +172,14 @@ class Relay:
         self._stop_requested_at = 0.0
         self._conn: psycopg.Connection | None = None
         #: The sessions batches are read and marked on, beside the owner session (``_conn``):
-        #: a read waits for no mark, and the two halves' marks run side by side. Their
-        #: statements touch only the shards whose locks the owner session's backend
-        #: (``_owner_pid``) holds when they start.
+        #: a read waits for no mark, and marks run side by side. Their statements touch only
+        #: the shards the owner session holds when they start, named by the key of a lock it
+        #: takes when it connects (``_owner_key``; see the shards_held query).
         self._reader: psycopg.Connection | None = None
         self._markers: list[psycopg.Connection] = []
-        self._next_marker = 0
-        self._owner_pid = 0
+        #: The marking sessions not in use: each mark takes one for its statement.
+        self._free_markers: queue.SimpleQueue[psycopg.Connection] = queue.SimpleQueue()
+        self._owner_key = 0
         self._ownership: ShardOwnership | None = None
         self._wake: WakeUp | None = None
         self._publisher: BatchPublisher | None = publisher
@@ -394,7 +397,7 @@ class Relay:
         else:
             size = self.config.batch_size
             per_shard = shard_window(size, group)
-        return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_pid)
+        return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
 
     def _settle(self, flights: Sequence[InFlight]) -> bool:
         """Record the outcome of batches that ended, in one statement where possible: in the
@@ -426,18 +429,22 @@ class Relay:
         elif ended.acks:
             # Bound to these sessions: a mark never runs on the next ones, whose owner
             # session may not hold the shards.
-            marker = self._markers[self._next_marker % len(self._markers)]
-            self._next_marker += 1
-            record = functools.partial(
-                self.store.record_outcome,
-                ended.acks,
-                connection=marker,
-                owner_pid=self._owner_pid,
-            )
+            record = functools.partial(self._mark, self._free_markers, ended.acks, self._owner_key)
             self._recorder.submit(ended, record)
         else:
             self._finish(ended)  # nothing to record: every row stays pending, untouched
         return True
+
+    def _mark(
+        self, free: queue.SimpleQueue[psycopg.Connection], acks: Sequence[Ack], owner_key: int
+    ) -> None:
+        """Mark ``acks`` sent on a free marking session (run by a recorder's worker: there are
+        as many workers as sessions, so one is always free)."""
+        session = free.get_nowait()
+        try:
+            self.store.record_outcome(acks, connection=session, owner_key=owner_key)
+        finally:
+            free.put(session)
 
     def _collect_recordings(self, block: bool) -> bool:
         """Finish the batches whose outcome the background recorded (with ``block``, every
@@ -571,19 +578,28 @@ class Relay:
             # recorded in the background): let go of what the old session held first.
             self._lost_database(psycopg.OperationalError("the relay's session was closed"))
         self._conn = self._open_session(self.owner)
-        self._owner_pid = self._conn.info.backend_pid
+        self._owner_key = self._take_session_lock(self._conn)
         self._reader = self._open_session(f"{self.owner}/read")
         self._markers = [self._open_session(f"{self.owner}/mark") for _ in range(MARKERS)]
-        # The server, too, should notice a vanished relay quickly and drop its locks.
-        self._conn.execute("SET tcp_keepalives_idle = 5")
-        self._conn.execute("SET tcp_keepalives_interval = 2")
-        self._conn.execute("SET tcp_keepalives_count = 3")
+        self._free_markers = queue.SimpleQueue()
+        for marker in self._markers:
+            self._free_markers.put(marker)
         self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
         self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
         self._wake = WakeUp(self._conn, self.config.spec)
         self.health.database_ok = True
         self._next_rebalance = 0.0
         log.info("connected; listening on %s", self.config.spec.notify_channel)
+
+    def _take_session_lock(self, conn: psycopg.Connection) -> int:
+        """Lock a random key of the session lock space on the owner session: the key names it
+        to the reads and marks of the other sessions (see the shards_held query)."""
+        space = self.config.spec.lock_space("session")
+        while True:
+            key = secrets.randbelow(2**31)
+            row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (space, key)).fetchone()
+            if row is not None and row[0]:
+                return key
 
     def _sessions(self) -> list[psycopg.Connection]:
         sessions = [self._conn, self._reader, *self._markers]
@@ -595,7 +611,7 @@ class Relay:
 
     def _open_session(self, name: str) -> psycopg.Connection:
         url = sa.make_url(self.config.database_url)
-        return psycopg.connect(
+        session = psycopg.connect(
             host=url.host or "localhost",
             port=url.port or 5432,
             user=url.username,
@@ -613,11 +629,17 @@ class Relay:
             # table that grew fast, the planner takes the table for a small one and scans all
             # of it for each mark (hundreds of milliseconds on a busy table; every statement of
             # these sessions has an index to use).
-            # Marks are committed on the owner session: see RelayConfig.marks_wait_for_flush.
+            # Marks of sent rows: see RelayConfig.marks_wait_for_flush (failures always wait).
             # Set either way: a database or role default must not decide it.
             options="-c plan_cache_mode=force_custom_plan -c jit=off -c enable_seqscan=off"
             " -c synchronous_commit=" + ("on" if self.config.marks_wait_for_flush else "off"),
         )
+        # The server, too, should notice a vanished relay quickly: drop the owner session's
+        # locks, and not keep the other sessions' backends for hours.
+        session.execute("SET tcp_keepalives_idle = 5")
+        session.execute("SET tcp_keepalives_interval = 2")
+        session.execute("SET tcp_keepalives_count = 3")
+        return session
 
     def _make_publisher(self) -> BatchPublisher:
         if not self.config.exactly_once:
@@ -834,6 +856,7 @@ class Relay:
             session.close()
         self._conn = self._reader = None
         self._markers = []
+        self._free_markers = queue.SimpleQueue()
         self.metrics.owned_shards.set(0)
 
     def _shutdown(self) -> None:

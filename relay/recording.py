@@ -3,10 +3,10 @@
 Marking a batch sent is one statement; it takes as long as reading the next batch. Run by
 worker threads, each on a session of its own beside the one that holds the shards' locks
 (the statement marks only rows of shards that session still holds), it no longer stops the
-loop: the loop meanwhile serves Kafka, and reads and produces other shards' rows, and the two
-halves' marks run side by side. A batch's shards stay busy until its outcome is recorded, so
-none of its rows is read again before it is marked, and no two marks being recorded touch the
-same shard.
+loop: the loop meanwhile serves Kafka, and reads and produces other shards' rows, and marks of
+different shards run side by side. A batch's shards stay busy until its outcome is recorded,
+so none of its rows is read again before it is marked, and no two marks being recorded touch
+the same shard.
 
 Only single autocommit statements are recorded here. Outcomes with failures (a transaction on
 the owner session) are recorded by the loop itself, after it waited for what is being

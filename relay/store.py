@@ -43,15 +43,15 @@ class RelayStore(OutboxRows):
         batch_size: int,
         connection: psycopg.Connection | None = None,
         per_shard: int | None = None,
-        owner_pid: int | None = None,
+        owner_key: int | None = None,
     ) -> list[PendingRow]:
         """The next rows of ``shards`` that may go now, in order (one statement): at most
         ``batch_size`` in all and ``per_shard`` of one shard (by default twice its share).
 
-        The relay reads on ``connection``, a session of its own, with ``owner_pid``, the
-        backend of its session that holds the shards' advisory locks: only the shards whose
-        lock that backend holds are read, so a relay whose owner session is gone (and its
-        shards with it) reads nothing more. Without ``owner_pid``, every shard is read.
+        The relay reads on ``connection``, a session of its own, with ``owner_key``, the key
+        of the session lock its owner session (the one holding the shards' advisory locks)
+        took: only the shards that session holds are read, so a relay whose owner session is
+        gone (and its shards with it) reads nothing more. Without it, every shard is read.
         """
         if not shards:
             return []
@@ -60,8 +60,8 @@ class RelayStore(OutboxRows):
             "shards": list(shards),
             "window": window,
             "batch_size": batch_size,
-            "owner_pid": owner_pid,
-            "lock_space": self.spec.lock_space("shard"),
+            "owner_key": owner_key,
+            **self.spec.held_shards_keys,
         }
         if connection is not None:
             with connection.cursor() as cursor:
@@ -79,14 +79,15 @@ class RelayStore(OutboxRows):
         failures: Sequence[Failure] = (),
         released: Sequence[uuid.UUID] = (),
         connection: psycopg.Connection | None = None,
-        owner_pid: int | None = None,
+        owner_key: int | None = None,
     ) -> None:
         """Record what Kafka said, on the relay's ``connection`` when given.
 
         That is either the owner session, which holds the rows' shards, or a session beside
-        it, with ``owner_pid`` the owner session's backend: then only the rows of the shards
-        that backend still holds are recorded. Either way a relay which lost its shards (and
-        its owner session) records nothing over what their next owner does.
+        it, with ``owner_key`` naming the owner session (see ``read_batch``): then only the
+        rows of the shards that session still holds are recorded. Either way a relay which
+        lost its shards (and its owner session) records nothing over what their next owner
+        does.
 
         Failures always wait for the disk flush, also where the session's acknowledgements
         do not (see ``RelayConfig.marks_wait_for_flush``): a forgotten dead or retry mark
@@ -99,10 +100,10 @@ class RelayStore(OutboxRows):
         if len(statements) == 1 and not failures:  # the usual batch: one autocommit round trip
             name, params = statements[0]
             connection.execute(
-                self._psycopg_sql(name), {**params, "owner": None, "owner_pid": owner_pid}
+                self._psycopg_sql(name), {**params, "owner": None, "owner_key": owner_key}
             )
             return
-        assert owner_pid is None, "failures are recorded on the owner session"
+        assert owner_key is None, "failures are recorded on the owner session"
         with connection.pipeline(), connection.transaction():
             connection.execute("SET LOCAL synchronous_commit = on")
             for name, params in statements:  # sent together: one round trip

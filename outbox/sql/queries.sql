@@ -2,15 +2,23 @@
 -- it does. {table} is the validated, schema-qualified table name; :params are bind parameters.
 
 -- name: shards_held
--- The shards whose advisory locks (:lock_space, shard) the backend :owner_pid holds: a relay
--- reads and marks on sessions of its own beside the one that holds its shards, and touches
--- only the shards that one still holds when its statement starts.
-SELECT CAST(CAST(l.objid AS bigint) AS smallint)
-  FROM pg_locks AS l
- WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
-   AND l.pid = CAST(:owner_pid AS integer)
-   AND l.classid = CAST(CAST(:lock_space AS bigint) AS oid)
-   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database());
+-- The shards (locks :lock_space, shard) held by the session that holds the lock
+-- (:session_space, :owner_key): a relay reads and marks on sessions of its own beside the one
+-- that holds its shards (its owner session, which takes that lock under a random key when it
+-- connects), and touches only the shards that one still holds when its statement starts.
+-- Named by a lock, not a backend pid: a pooler hides the pid, a dead owner's pid can be
+-- reused, and a host name may lead another session to another server.
+WITH advisory AS MATERIALIZED (
+    SELECT l.pid, l.classid, l.objid
+      FROM pg_locks AS l
+     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+SELECT CAST(CAST(s.objid AS bigint) AS smallint)
+  FROM advisory AS s
+  JOIN advisory AS o ON o.pid = s.pid
+ WHERE s.classid = CAST(CAST(:lock_space AS bigint) AS oid)
+   AND o.classid = CAST(CAST(:session_space AS bigint) AS oid)
+   AND o.objid = CAST(CAST(:owner_key AS bigint) AS oid);
 
 -- name: leased_behind_earlier
 -- Of the rows of an immediate sender's batch (:ids), those that may not go yet: their key has
@@ -101,7 +109,7 @@ UPDATE {table}
 -- Record Kafka's acknowledgement (partition, offset) of pending rows, of the generation that was
 -- sent (a row requeued by repair meanwhile must go again). :owner, when given, is the immediate
 -- sender that leased the rows; the relay passes NULL: it owns the rows' shards, and gives
--- :owner_pid, so that only the rows of the shards it still holds are marked (see shards_held).
+-- :owner_key, so that only the rows of the shards it still holds are marked (see shards_held).
 UPDATE {table} AS o
    SET status = 'sent',
        sent_at = now(),
@@ -118,15 +126,15 @@ UPDATE {table} AS o
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
    AND o.id = acked.id AND o.status = 'pending' AND o.generation = acked.generation
    AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner)
-   AND (CAST(:owner_pid AS integer) IS NULL OR o.shard IN ({shards_held}));
+   AND (CAST(:owner_key AS integer) IS NULL OR o.shard IN ({shards_held}));
 
 -- name: delete_sent
 -- Keep-nothing retention: drop pending rows once Kafka acknowledged them (:owner and
--- :owner_pid as in mark_sent).
+-- :owner_key as in mark_sent).
 DELETE FROM {table}
  WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'pending'
    AND (CAST(:owner AS text) IS NULL OR lease_owner = :owner)
-   AND (CAST(:owner_pid AS integer) IS NULL OR shard IN ({shards_held}));
+   AND (CAST(:owner_key AS integer) IS NULL OR shard IN ({shards_held}));
 
 -- name: purge_sent
 -- Delete one batch of rows that are done, from before the cutoff: sent rows created and sent
@@ -153,11 +161,11 @@ DELETE FROM {table} AS o
 -- Each shard's window is its first :window rows that could go: rows backing off, and the rows
 -- of their keys behind them, are passed over (one probe of the small retry index per row), so
 -- that a key with a deep backlog behind a failing message never fills the window by itself.
--- Given :owner_pid, only the shards that backend holds are read (see shards_held).
+-- Given :owner_key, only the shards its owner session holds are read (see shards_held).
 WITH held AS MATERIALIZED (
     SELECT s.shard
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
-     WHERE CAST(:owner_pid AS integer) IS NULL OR s.shard IN ({shards_held})),
+     WHERE CAST(:owner_key AS integer) IS NULL OR s.shard IN ({shards_held})),
 window_rows AS (
     SELECT o.*
       FROM held AS s

@@ -197,7 +197,7 @@ class SlowMarks(RelayStore):
         return rows
 
     def record_outcome(  # type: ignore[no-untyped-def]
-        self, acks, failures=(), released=(), connection=None, owner_pid=None
+        self, acks, failures=(), released=(), connection=None, owner_key=None
     ) -> None:
         began = time.monotonic()
         if connection is not None:
@@ -206,7 +206,7 @@ class SlowMarks(RelayStore):
                 connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
             finally:
                 self.sleeping.clear()
-        super().record_outcome(acks, failures, released, connection, owner_pid)
+        super().record_outcome(acks, failures, released, connection, owner_key)
         shards = frozenset(self.shard_of[a.id] for a in acks)
         self.marks.append((began, time.monotonic(), shards))
 
@@ -927,9 +927,10 @@ def test_a_relay_whose_batches_get_through_takes_a_dead_relays_shards_without_pr
 def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds(
     engine, outbox_url
 ) -> None:  # type: ignore[no-untyped-def]
-    """The relay reads and marks on sessions of its own, naming the owner session's backend:
-    rows of shards that backend does not hold are neither read nor marked, and once the
-    owner session is gone nothing is."""
+    """The relay reads and marks on sessions of its own, naming its owner session by the key
+    of a lock that session holds: rows of shards that session does not hold are neither read
+    nor marked, a session that holds a shard under another key does not count, and once the
+    owner session is gone nothing is read or marked."""
     import psycopg
 
     from outbox.schema import SHARD_COUNT
@@ -939,26 +940,36 @@ def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds
     store = RelayStore(sender_engine(outbox_url), spec, "guarded")
     conninfo = sa.make_url(outbox_url).set(drivername="postgresql").render_as_string(False)
     owner = psycopg.connect(conninfo, autocommit=True)
+    other = psycopg.connect(conninfo, autocommit=True)
     beside = psycopg.connect(conninfo, autocommit=True)
     everything = store.read_batch(list(range(SHARD_COUNT)), 1000)
-    held = sorted({row.shard for row in everything})[:3]
+    shards = sorted({row.shard for row in everything})
+    held, elsewhere = shards[:3], shards[3:5]
+    key = 12345
+
+    def lock(conn: psycopg.Connection, space: str, number: int) -> None:
+        conn.execute("SELECT pg_advisory_lock(%s, %s)", (spec.lock_space(space), number))
+
     try:
+        lock(owner, "session", key)
         for shard in held:
-            owner.execute("SELECT pg_advisory_lock(%s, %s)", (spec.lock_space("shard"), shard))
-        pid = owner.info.backend_pid
-        read = store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, pid)
+            lock(owner, "shard", shard)
+        lock(other, "session", key + 1)
+        for shard in elsewhere:
+            lock(other, "shard", shard)
+        read = store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, key)
         assert read and {row.shard for row in read} == set(held)
         assert {row.id for row in read} == {row.id for row in everything if row.shard in held}
 
         acks = [Ack(row.id, 0, n, row.record.generation) for n, row in enumerate(everything)]  # type: ignore[union-attr]
-        store.record_outcome(acks, connection=beside, owner_pid=pid)
+        store.record_outcome(acks, connection=beside, owner_key=key)
         assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
 
         owner.close()  # its locks go with it
-        assert store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, pid) == []
-        store.record_outcome(acks, connection=beside, owner_pid=pid)
+        assert store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, key) == []
+        store.record_outcome(acks, connection=beside, owner_key=key)
         assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
     finally:
-        owner.close()
-        beside.close()
+        for conn in (owner, other, beside):
+            conn.close()
         store.engine.dispose()
