@@ -577,10 +577,19 @@ class Relay:
             # Broken under a statement whose error the loop has not seen yet (a mark being
             # recorded in the background): let go of what the old session held first.
             self._lost_database(psycopg.OperationalError("the relay's session was closed"))
-        self._conn = self._open_session(self.owner)
-        self._owner_key = self._take_session_lock(self._conn)
-        self._reader = self._open_session(f"{self.owner}/read")
-        self._markers = [self._open_session(f"{self.owner}/mark") for _ in range(MARKERS)]
+        opened: list[psycopg.Connection] = []
+        try:
+            opened.append(self._open_session(self.owner))
+            key = self._take_session_lock(opened[0])
+            for name in ("read", *["mark"] * MARKERS):
+                opened.append(self._open_session(f"{self.owner}/{name}"))
+                self._check_sees_owner(opened[-1], key)
+        except BaseException:
+            for session in opened:
+                session.close()
+            raise
+        self._conn, self._reader, *self._markers = opened
+        self._owner_key = key
         self._free_markers = queue.SimpleQueue()
         for marker in self._markers:
             self._free_markers.put(marker)
@@ -601,6 +610,22 @@ class Relay:
             if row is not None and row[0]:
                 return key
 
+    def _check_sees_owner(self, session: psycopg.Connection, key: int) -> None:
+        """A session that cannot see the owner session's lock (another server behind the
+        same address, say) would read and mark nothing, for ever: fail the connect instead."""
+        space = self.config.spec.lock_space("session")
+        row = session.execute(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND objsubid = 2 AND classid = %s::bigint::oid AND objid = %s::bigint::oid"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+            (space, key),
+        ).fetchone()
+        if row is None or not row[0]:
+            raise psycopg.OperationalError(
+                "a relay session does not see its owner session's lock: are they on the same"
+                " server and database?"
+            )
+
     def _sessions(self) -> list[psycopg.Connection]:
         sessions = [self._conn, self._reader, *self._markers]
         return [session for session in sessions if session is not None]
@@ -611,7 +636,7 @@ class Relay:
 
     def _open_session(self, name: str) -> psycopg.Connection:
         url = sa.make_url(self.config.database_url)
-        session = psycopg.connect(
+        return psycopg.connect(
             host=url.host or "localhost",
             port=url.port or 5432,
             user=url.username,
@@ -631,15 +656,12 @@ class Relay:
             # these sessions has an index to use).
             # Marks of sent rows: see RelayConfig.marks_wait_for_flush (failures always wait).
             # Set either way: a database or role default must not decide it.
+            # The server, too, should notice a vanished relay quickly: drop the owner
+            # session's locks, and not keep the other sessions' backends for hours.
             options="-c plan_cache_mode=force_custom_plan -c jit=off -c enable_seqscan=off"
+            " -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3"
             " -c synchronous_commit=" + ("on" if self.config.marks_wait_for_flush else "off"),
         )
-        # The server, too, should notice a vanished relay quickly: drop the owner session's
-        # locks, and not keep the other sessions' backends for hours.
-        session.execute("SET tcp_keepalives_idle = 5")
-        session.execute("SET tcp_keepalives_interval = 2")
-        session.execute("SET tcp_keepalives_count = 3")
-        return session
 
     def _make_publisher(self) -> BatchPublisher:
         if not self.config.exactly_once:

@@ -7,7 +7,8 @@
 -- that holds its shards (its owner session, which takes that lock under a random key when it
 -- connects), and touches only the shards that one still holds when its statement starts.
 -- Named by a lock, not a backend pid: a pooler hides the pid, a dead owner's pid can be
--- reused, and a host name may lead another session to another server.
+-- reused, and a host name may lead another session to another server. (Only one backend can
+-- hold the exclusive lock of a key.)
 WITH advisory AS MATERIALIZED (
     SELECT l.pid, l.classid, l.objid
       FROM pg_locks AS l
@@ -15,10 +16,11 @@ WITH advisory AS MATERIALIZED (
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
 SELECT CAST(CAST(s.objid AS bigint) AS smallint)
   FROM advisory AS s
-  JOIN advisory AS o ON o.pid = s.pid
  WHERE s.classid = CAST(CAST(:lock_space AS bigint) AS oid)
-   AND o.classid = CAST(CAST(:session_space AS bigint) AS oid)
-   AND o.objid = CAST(CAST(:owner_key AS bigint) AS oid);
+   AND s.pid = (SELECT o.pid
+                  FROM advisory AS o
+                 WHERE o.classid = CAST(CAST(:session_space AS bigint) AS oid)
+                   AND o.objid = CAST(CAST(:owner_key AS bigint) AS oid));
 
 -- name: leased_behind_earlier
 -- Of the rows of an immediate sender's batch (:ids), those that may not go yet: their key has

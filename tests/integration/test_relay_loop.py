@@ -973,3 +973,25 @@ def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds
         for conn in (owner, other, beside):
             conn.close()
         store.engine.dispose()
+
+
+def test_a_relay_session_that_cannot_see_its_owner_sessions_lock_fails_the_connect(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """The reads and marks would find nothing for ever on a session that does not see the
+    owner session's lock (another server behind the same address): the connect fails."""
+    import psycopg
+
+    relay = Relay(config(outbox_url))
+    conninfo = sa.make_url(outbox_url).set(drivername="postgresql").render_as_string(False)
+    owner = psycopg.connect(conninfo, autocommit=True)
+    beside = psycopg.connect(conninfo, autocommit=True)
+    try:
+        key = relay._take_session_lock(owner)
+        relay._check_sees_owner(beside, key)  # the same server: it does
+        with pytest.raises(psycopg.OperationalError, match="does not see its owner"):
+            relay._check_sees_owner(beside, key + 1)
+    finally:
+        owner.close()
+        beside.close()
+        relay.engine.dispose()
