@@ -106,6 +106,7 @@ class RelayStore(OutboxRows):
         assert owner_key is None, "failures are recorded on the owner session"
         with connection.pipeline(), connection.transaction():
             connection.execute("SET LOCAL synchronous_commit = on")
+            connection.execute("SET LOCAL enable_nestloop = off")  # see hash_joins_only
             for name, params in statements:  # sent together: one round trip
                 connection.execute(self._psycopg_sql(name), {**params, "owner": None})
 
