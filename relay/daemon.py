@@ -192,8 +192,9 @@ class Relay:
         self._recorder: OutcomeRecorder[_Ended] = OutcomeRecorder(workers=MARKERS)
         #: Which group of the owned shards the next read starts with.
         self._group = 0
-        #: The last read with nothing in flight found nothing: the next reads every shard.
-        self._found_nothing = True
+        #: The last read that found rows took a shard's limit (a backlog): the next reads one
+        #: group of shards.
+        self._behind = False
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self._failed_take_overs = 0
@@ -332,13 +333,13 @@ class Relay:
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.
 
-        With batches in flight, the read waits until a group's worth of the owned shards
-        (see READ_GROUPS) is idle, and it takes at most that many: one group is read while the
-        others are in flight or being marked. A relay that found nothing last time reads every
-        owned shard at once: a transaction's messages, spread over the shards, go in one batch.
-        With nothing in flight, a group that holds nothing is followed at once by the other
-        idle shards, a group's worth at a time, so that rows that woke the relay are never
-        left for the next wake-up.
+        Behind (the last read took as many rows as one shard may give), the read waits until
+        a group's worth of the owned shards (see READ_GROUPS) is idle, and it takes at most
+        that many: one group is read while the others are in flight or being marked; with
+        nothing in flight, a group that holds nothing is followed at once by the other idle
+        shards, a group's worth at a time, so that rows that woke the relay are never left for
+        the next wake-up. Not behind, every idle shard is read at once: a transaction's
+        messages, spread over the shards, go in one batch, and a new row waits for one read.
         """
         assert self._ownership is not None and self._publisher is not None
         owned = sorted(self._ownership.owned)
@@ -348,7 +349,7 @@ class Relay:
         if not idle or (busy and len(idle) < group):
             return False
         shards = idle
-        if len(owned) > 1 and len(idle) > group and not (self._found_nothing and not busy):
+        if len(owned) > 1 and len(idle) > group and self._behind:
             # Groups in turn, so that the batches in flight keep to their own shards.
             first = [s for s in idle if owned.index(s) // group == self._group]
             shards = (first or idle)[:group]
@@ -360,8 +361,11 @@ class Relay:
             # A group's worth at a time: rows found in one group go while the next is read.
             shards, rest = rest[:group], rest[group:]
             batch = self._read(shards, group)
-        if not busy:  # reads beside a batch in flight see only some shards
-            self._found_nothing = not batch
+        if batch or not busy:  # (empty shards read beside a batch in flight say nothing)
+            # As many rows as one shard may give a read: a backlog, read a group at a time so
+            # that several batches are in flight. Fewer: rows are read as they are written,
+            # every idle shard at once, so that a new row waits for one read, not one a group.
+            self._behind = len(batch) >= self._limits(len(shards), group)[1]
         if not batch:
             self.health.batch_done(progressed=True)  # nothing to send is not being stuck
             return False
@@ -390,14 +394,16 @@ class Relay:
     def _read(self, shards: list[int], group: int) -> list[PendingRow]:
         """The next rows of ``shards``; each shard's window is a group-read's (``group``
         shards), however many shards are read."""
+        size, per_shard = self._limits(len(shards), group)
+        return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
+
+    def _limits(self, shards: int, group: int) -> tuple[int, int]:
+        """The most rows a read of ``shards`` shards takes, in all and of one shard."""
         if self.config.exactly_once:
             # A Kafka transaction per shard: each may take a whole batch, so that a backlog
             # costs as few transactions (and their commit round trips) as it can.
-            size, per_shard = self.config.batch_size * len(shards), self.config.batch_size
-        else:
-            size = self.config.batch_size
-            per_shard = shard_window(size, group)
-        return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
+            return self.config.batch_size * shards, self.config.batch_size
+        return self.config.batch_size, shard_window(self.config.batch_size, group)
 
     def _settle(self, flights: Sequence[InFlight]) -> bool:
         """Record the outcome of batches that ended, in one statement where possible: in the
