@@ -371,12 +371,42 @@ def test_a_relay_woken_for_one_message_reads_it_in_whichever_half_of_its_shards(
     assert statuses(engine) == {"sent": 10}
 
 
+def test_a_transaction_committed_beside_a_batch_in_flight_goes_in_one_batch(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
+    """Caught up (the last read took fewer rows than one shard may give), a relay with a batch
+    in flight reads every idle shard at once: a transaction's messages, spread over shards of
+    several read groups, go in one batch after one read, not one read per group."""
+    from outbox.schema import SHARD_COUNT, shard_of
+
+    by_shard: dict[int, str] = {}
+    for n in range(1000):
+        by_shard.setdefault(shard_of(f"k{n}".encode(), uuid.uuid4()), f"k{n}")
+    first, spread = by_shard[0], [by_shard[s] for s in range(4, SHARD_COUNT, 2)]
+    stub = StubPublisher(latency=1.0)
+    relay = Relay(config(outbox_url, poll_interval=8.0, rebalance_interval=8.0), publisher=stub)
+    with looping(relay):
+        wait_for(
+            lambda: relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
+        )
+        with Outbox(engine).transaction() as tx:
+            tx.publish("loop", {"n": 0}, key=first)
+        wait_for(lambda: len(stub.log) == 1, 5)  # its batch is in flight for a second
+        with Outbox(engine).transaction() as tx:
+            tx.publish_many([Message("loop", {"n": n}, key=key) for n, key in enumerate(spread)])
+        wait_for(lambda: len(stub.acked) == 1 + len(spread), 5)
+    starts = [shards for kind, shards in stub.log if kind == "start"]
+    assert starts == [frozenset({0}), frozenset(range(4, SHARD_COUNT, 2))]
+    assert stub.overlaps == 1  # the second batch started while the first was in flight
+
+
 def test_a_backlog_of_two_keys_in_two_groups_is_read_beside_the_batch_in_flight(
     engine, outbox_url
 ) -> None:  # type: ignore[no-untyped-def]
     """A backlog that sits in two shards of different read groups still keeps two batches in
-    flight: only the first read after the relay found nothing takes every shard, and then at
-    a group-read's window; an empty group is followed by the next, not by all the others."""
+    flight: once a read took as many rows as one shard may give, the relay reads a group at a
+    time at a group-read's window; an empty group is followed by the next, not by all the
+    others."""
     from outbox.schema import SHARD_COUNT, shard_of
 
     keys = [f"k{n}" for n in range(200)]
