@@ -192,8 +192,8 @@ class Relay:
         self._recorder: OutcomeRecorder[_Ended] = OutcomeRecorder(workers=MARKERS)
         #: Which group of the owned shards the next read starts with.
         self._group = 0
-        #: The last read that found rows took a shard's limit (a backlog): the next reads one
-        #: group of shards.
+        #: The last read that found rows took as many as it may, in all or of one shard (a
+        #: backlog): the next reads one group of shards.
         self._behind = False
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
@@ -333,13 +333,14 @@ class Relay:
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.
 
-        Behind (the last read took as many rows as one shard may give), the read waits until
-        a group's worth of the owned shards (see READ_GROUPS) is idle, and it takes at most
-        that many: one group is read while the others are in flight or being marked; with
-        nothing in flight, a group that holds nothing is followed at once by the other idle
-        shards, a group's worth at a time, so that rows that woke the relay are never left for
-        the next wake-up. Not behind, every idle shard is read at once: a transaction's
-        messages, spread over the shards, go in one batch, and a new row waits for one read.
+        Behind (the last read that found rows took as many as it may, in all or of one shard),
+        the read waits until a group's worth of the owned shards (see READ_GROUPS) is idle,
+        and it takes at most that many: one group is read while the others are in flight or
+        being marked; with nothing in flight, a group that holds nothing is followed at once
+        by the other idle shards, a group's worth at a time, so that rows that woke the relay
+        are never left for the next wake-up. Not behind, every idle shard is read at once: a
+        transaction's messages, spread over the shards, go in one batch, and a new row waits
+        for one read.
         """
         assert self._ownership is not None and self._publisher is not None
         owned = sorted(self._ownership.owned)
@@ -362,10 +363,13 @@ class Relay:
             shards, rest = rest[:group], rest[group:]
             batch = self._read(shards, group)
         if batch or not busy:  # (empty shards read beside a batch in flight say nothing)
-            # As many rows as one shard may give a read: a backlog, read a group at a time so
-            # that several batches are in flight. Fewer: rows are read as they are written,
-            # every idle shard at once, so that a new row waits for one read, not one a group.
-            self._behind = len(batch) >= self._limits(len(shards), group)[1]
+            # As many rows as the read may take, in all or of one shard: a backlog, read a
+            # group at a time so that several batches are in flight. Fewer: rows are read as
+            # they are written, every idle shard at once, so that a new row waits for one
+            # read, not one a group.
+            size, per_shard = self._limits(len(shards), group)
+            most_of_one = max(Counter(row.shard for row in batch).values(), default=0)
+            self._behind = len(batch) >= size or most_of_one >= per_shard
         if not batch:
             self.health.batch_done(progressed=True)  # nothing to send is not being stuck
             return False

@@ -400,13 +400,14 @@ def test_a_transaction_committed_beside_a_batch_in_flight_goes_in_one_batch(
     assert stub.overlaps == 1  # the second batch started while the first was in flight
 
 
+@pytest.mark.parametrize("batch_size", [1000, 50])
 def test_a_backlog_of_two_keys_in_two_groups_is_read_beside_the_batch_in_flight(
-    engine, outbox_url
+    engine, outbox_url, batch_size
 ) -> None:  # type: ignore[no-untyped-def]
     """A backlog that sits in two shards of different read groups still keeps two batches in
     flight: once a read took as many rows as one shard may give, the relay reads a group at a
     time at a group-read's window; an empty group is followed by the next, not by all the
-    others."""
+    others. A batch size below a shard's smallest window (100) counts as a backlog too."""
     from outbox.schema import SHARD_COUNT, shard_of
 
     keys = [f"k{n}" for n in range(200)]
@@ -415,7 +416,7 @@ def test_a_backlog_of_two_keys_in_two_groups_is_read_beside_the_batch_in_flight(
     with Outbox(engine).transaction() as tx:
         tx.publish_many([Message("loop", {"n": n}, key=(low, high)[n % 2]) for n in range(3000)])
     stub = StubPublisher(latency=0.03)
-    with looping(Relay(config(outbox_url, batch_size=1000), publisher=stub)):
+    with looping(Relay(config(outbox_url, batch_size=batch_size), publisher=stub)):
         wait_for(lambda: statuses(engine) == {"sent": 3000})
     assert stub.overlaps > 0  # one key's batch started while the other's was in flight
     assert by_key_in_seq_order(stub.acked)
