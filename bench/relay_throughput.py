@@ -319,8 +319,8 @@ def bare_pg_cycle(engine: sa.Engine, conninfo: str, n: int, delete: bool) -> Run
     session: read the next batch of every shard, mark it sent (or delete it), again, until no
     row is left. (The relay runs them on sessions of its own, reads beside marks.)"""
     store = RelayStore(engine, OutboxTableSpec(), f"relay-{uuid.uuid4()}", delete_on_send=delete)
-    owner = psycopg.connect(
-        conninfo, autocommit=True, options="-c plan_cache_mode=force_custom_plan -c jit=off"
+    owner = psycopg.connect(  # planned as on the relay's reading session
+        conninfo, autocommit=True, options="-c plan_cache_mode=force_generic_plan -c jit=off"
     )
     shards = list(range(SHARD_COUNT))
     done = 0

@@ -61,7 +61,7 @@ def sample(conninfo: str, read_sql: str, samples: Samples) -> None:
                 "window": 125,
                 "batch_size": 1000,
                 "owner_key": None,
-                **DEFAULT_SPEC.held_shards_keys,
+                **DEFAULT_SPEC.owner_session_keys,
             },
         ).fetchall()
         samples.read_ms.append((time.perf_counter() - started) * 1000)
@@ -85,7 +85,7 @@ def one_run(
         conn.execute("SELECT pg_stat_reset()")
     read_sql = str(Queries(DEFAULT_SPEC)["read_batch"]).replace(":shards", "%(shards)s")
     read_sql = read_sql.replace(":window", "%(window)s").replace(":batch_size", "%(batch_size)s")
-    for name in ("owner_key", "lock_space", "session_space"):
+    for name in ("owner_key", "session_space"):
         read_sql = read_sql.replace(f":{name}", f"%({name})s")
     env = {
         **os.environ,

@@ -168,8 +168,8 @@ class OutboxRows:
         retry = [f for f in failures if f.delay is not None]
         dead = [f for f in failures if f.delay is None]
         statements: list[tuple[str, dict[str, Any]]] = []
-        # Any shard: a relay narrows it to those its owner session holds (see RelayStore).
-        anywhere = {"owner_key": None, **self.spec.held_shards_keys}
+        # Whoever holds the shards: a relay names its owner session (see RelayStore).
+        anywhere = {"owner_key": None, **self.spec.owner_session_keys}
         if acks and self.delete_on_send:
             statements.append(
                 ("delete_sent", {"ids": array_literal(a.id for a in acks), **anywhere})

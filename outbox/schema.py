@@ -84,10 +84,10 @@ class OutboxTableSpec:
         return zlib.crc32(f"outbox:{purpose}:{self.qualified_name}".encode()) & 0x7FFFFFFF
 
     @property
-    def held_shards_keys(self) -> dict[str, int]:
-        """The lock spaces the ``shards_held`` query names: the shards', and the one an owner
-        session takes under its own random key (``owner_key``) when it connects."""
-        return {"lock_space": self.lock_space("shard"), "session_space": self.lock_space("session")}
+    def owner_session_keys(self) -> dict[str, int]:
+        """The lock space the ``owner_alive`` query names: an owner session locks its own
+        random key (``owner_key``) in it when it connects."""
+        return {"session_space": self.lock_space("session")}
 
     @property
     def wake_lock(self) -> tuple[int, int]:

@@ -172,9 +172,9 @@ class Relay:
         self._stop_requested_at = 0.0
         self._conn: psycopg.Connection | None = None
         #: The sessions batches are read and marked on, beside the owner session (``_conn``):
-        #: a read waits for no mark, and marks run side by side. Their statements touch only
-        #: the shards the owner session holds when they start, named by the key of a lock it
-        #: takes when it connects (``_owner_key``; see the shards_held query).
+        #: a read waits for no mark, and marks run side by side. Their statements touch nothing
+        #: once the owner session is gone, named by the key of a lock it takes when it
+        #: connects (``_owner_key``; see the owner_alive query).
         self._reader: psycopg.Connection | None = None
         self._markers: list[psycopg.Connection] = []
         #: The marking sessions not in use: each mark takes one for its statement.
@@ -592,7 +592,11 @@ class Relay:
             opened.append(self._open_session(self.owner))
             key = self._take_session_lock(opened[0])
             for name in ("read", *["mark"] * MARKERS):
-                opened.append(self._open_session(f"{self.owner}/{name}", marking=name == "mark"))
+                opened.append(
+                    self._open_session(
+                        f"{self.owner}/{name}", marking=name == "mark", reading=name == "read"
+                    )
+                )
                 self._check_sees_owner(opened[-1], key)
         except BaseException:
             for session in opened:
@@ -612,7 +616,7 @@ class Relay:
 
     def _take_session_lock(self, conn: psycopg.Connection) -> int:
         """Lock a random key of the session lock space on the owner session: the key names it
-        to the reads and marks of the other sessions (see the shards_held query)."""
+        to the reads and marks of the other sessions (see the owner_alive query)."""
         space = self.config.spec.lock_space("session")
         while True:
             key = secrets.randbelow(2**31)
@@ -623,14 +627,7 @@ class Relay:
     def _check_sees_owner(self, session: psycopg.Connection, key: int) -> None:
         """A session that cannot see the owner session's lock (another server behind the
         same address, say) would read and mark nothing, for ever: fail the connect instead."""
-        space = self.config.spec.lock_space("session")
-        row = session.execute(
-            "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND objsubid = 2 AND classid = %s::bigint::oid AND objid = %s::bigint::oid"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
-            (space, key),
-        ).fetchone()
-        if row is None or not row[0]:
+        if not self.store.owner_alive(session, key):
             raise psycopg.OperationalError(
                 "a relay session does not see its owner session's lock: are they on the same"
                 " server and database?"
@@ -644,13 +641,22 @@ class Relay:
         sessions = self._sessions()
         return len(sessions) == 2 + MARKERS and not any(s.closed for s in sessions)
 
-    def _open_session(self, name: str, marking: bool = False) -> psycopg.Connection:
+    def _open_session(
+        self, name: str, marking: bool = False, reading: bool = False
+    ) -> psycopg.Connection:
         url = sa.make_url(self.config.database_url)
         # Marks join the table to the batch's arrays: hash joins only (see
         # outbox.engines.hash_joins_only). Measured: statistics taken while few rows were
         # pending, and the pending index full of rows marked since the last vacuum, gave a
         # nested loop comparing every row with every id, 0.4-0.5 s per mark at 10,000 msgs/s.
         joins = " -c enable_nestloop=off" if marking else ""
+        # The reading session runs the batch read alone, planned once for any parameters:
+        # its plan (a walk of each shard's pending index) is the same for every batch, and
+        # planning it again took a read's backend 0.7 of its 1 ms when the relay keeps up
+        # (a read every few milliseconds). Other statements are planned for their own
+        # parameters: a generic plan of a mark guesses its arrays' sizes wrong (see
+        # outbox.engines.sender_engine).
+        plans = "force_generic_plan" if reading else "force_custom_plan"
         return psycopg.connect(
             host=url.host or "localhost",
             port=url.port or 5432,
@@ -664,7 +670,6 @@ class Relay:
             keepalives_interval=2,
             keepalives_count=3,
             application_name=name[:63],
-            # The batch reads are planned per statement.
             # No sequential scans: right after a TRUNCATE, or before autovacuum analyzes a
             # table that grew fast, the planner takes the table for a small one and scans all
             # of it for each mark (hundreds of milliseconds on a busy table; every statement of
@@ -673,7 +678,7 @@ class Relay:
             # Set either way: a database or role default must not decide it.
             # The server, too, should notice a vanished relay quickly: drop the owner
             # session's locks, and not keep the other sessions' backends for hours.
-            options="-c plan_cache_mode=force_custom_plan -c jit=off -c enable_seqscan=off"
+            options=f"-c plan_cache_mode={plans} -c jit=off -c enable_seqscan=off"
             + joins
             + " -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3"
             " -c synchronous_commit=" + ("on" if self.config.marks_wait_for_flush else "off"),

@@ -50,8 +50,8 @@ class RelayStore(OutboxRows):
 
         The relay reads on ``connection``, a session of its own, with ``owner_key``, the key
         of the session lock its owner session (the one holding the shards' advisory locks)
-        took: only the shards that session holds are read, so a relay whose owner session is
-        gone (and its shards with it) reads nothing more. Without it, every shard is read.
+        took: a relay whose owner session is gone (and its shards with it) reads nothing more.
+        It asks only for shards it holds (see the ``owner_alive`` query).
         """
         if not shards:
             return []
@@ -61,7 +61,7 @@ class RelayStore(OutboxRows):
             "window": window,
             "batch_size": batch_size,
             "owner_key": owner_key,
-            **self.spec.held_shards_keys,
+            **self.spec.owner_session_keys,
         }
         if connection is not None:
             with connection.cursor() as cursor:
@@ -84,10 +84,9 @@ class RelayStore(OutboxRows):
         """Record what Kafka said, on the relay's ``connection`` when given.
 
         That is either the owner session, which holds the rows' shards, or a session beside
-        it, with ``owner_key`` naming the owner session (see ``read_batch``): then only the
-        rows of the shards that session still holds are recorded. Either way a relay which
-        lost its shards (and its owner session) records nothing over what their next owner
-        does.
+        it, with ``owner_key`` naming the owner session (see ``read_batch``): then nothing is
+        recorded once that session is gone. Either way a relay which lost its shards (and its
+        owner session) records nothing over what their next owner does.
 
         Failures always wait for the disk flush, also where the session's acknowledgements
         do not (see ``RelayConfig.marks_wait_for_flush``): a forgotten dead or retry mark
@@ -109,6 +108,14 @@ class RelayStore(OutboxRows):
             connection.execute("SET LOCAL enable_nestloop = off")  # see hash_joins_only
             for name, params in statements:  # sent together: one round trip
                 connection.execute(self._psycopg_sql(name), {**params, "owner": None})
+
+    def owner_alive(self, session: psycopg.Connection, owner_key: int) -> bool:
+        """Whether ``session`` sees the owner session that locked ``owner_key`` as alive."""
+        row = session.execute(
+            self._psycopg_sql("owner_alive"),
+            {"owner_key": owner_key, **self.spec.owner_session_keys},
+        ).fetchone()
+        return row is not None and bool(row[0])
 
     @property
     def _read_batch_sql(self) -> str:

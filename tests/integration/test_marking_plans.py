@@ -83,7 +83,7 @@ def test_a_mark_on_a_marking_session_uses_the_primary_key_where_the_pending_inde
         "generations": [0] * len(ids),
         "owner": None,
         "owner_key": 1,
-        **DEFAULT_SPEC.held_shards_keys,
+        **DEFAULT_SPEC.owner_session_keys,
     }
     sql = relay.store._psycopg_sql(statement)
     session = relay._open_session("plans/mark", marking=True)

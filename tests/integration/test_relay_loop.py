@@ -955,13 +955,11 @@ def test_a_relay_whose_batches_get_through_takes_a_dead_relays_shards_without_pr
     assert survivor_stub.probes == probes
 
 
-def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds(
-    engine, outbox_url
-) -> None:  # type: ignore[no-untyped-def]
+def test_reads_and_marks_beside_the_owner_session_stop_once_it_is_gone(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
     """The relay reads and marks on sessions of its own, naming its owner session by the key
-    of a lock that session holds: rows of shards that session does not hold are neither read
-    nor marked, a session that holds a shard under another key does not count, and once the
-    owner session is gone nothing is read or marked."""
+    of a lock that session holds: while it lives, the shards asked for are read and marked;
+    once it is gone nothing is, however many other relays' owner sessions live on (and
+    whatever shards they hold), and a statement that found it gone leaves no lock behind."""
     import psycopg
 
     from outbox.schema import SHARD_COUNT
@@ -981,6 +979,14 @@ def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds
     def lock(conn: psycopg.Connection, space: str, number: int) -> None:
         conn.execute("SELECT pg_advisory_lock(%s, %s)", (spec.lock_space(space), number))
 
+    def locks_of(conn: psycopg.Connection) -> int:
+        row = beside.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s",
+            (conn.info.backend_pid,),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
     try:
         lock(owner, "session", key)
         for shard in held:
@@ -988,18 +994,26 @@ def test_reads_and_marks_beside_the_owner_session_touch_only_the_shards_it_holds
         lock(other, "session", key + 1)
         for shard in elsewhere:
             lock(other, "shard", shard)
-        read = store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, key)
-        assert read and {row.shard for row in read} == set(held)
+        assert store.owner_alive(beside, key)
+        read = store.read_batch(held, 1000, beside, 1000, key)
         assert {row.id for row in read} == {row.id for row in everything if row.shard in held}
 
-        acks = [Ack(row.id, 0, n, row.record.generation) for n, row in enumerate(everything)]  # type: ignore[union-attr]
+        acks = [Ack(row.id, 0, n, row.record.generation) for n, row in enumerate(read)]  # type: ignore[union-attr]
         store.record_outcome(acks, connection=beside, owner_key=key)
         assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
 
         owner.close()  # its locks go with it
+        assert not store.owner_alive(beside, key)
         assert store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, key) == []
-        store.record_outcome(acks, connection=beside, owner_key=key)
+        rest = [
+            Ack(row.id, 0, n, row.record.generation)  # type: ignore[union-attr]
+            for n, row in enumerate(everything)
+            if row.shard not in held
+        ]
+        store.record_outcome(rest, connection=beside, owner_key=key)
         assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
+        assert locks_of(beside) == 0  # the try-lock that found the owner gone was undone
+        assert store.owner_alive(beside, key + 1)  # the other relay's owner session lives
     finally:
         for conn in (owner, other, beside):
             conn.close()
