@@ -23,7 +23,7 @@ from outbox.relay.daemon import Relay
 from outbox.relay.policy import RetryPolicy
 from outbox.relay.producers import InFlight
 from outbox.relay.store import RelayStore
-from outbox.schema import OutboxTableSpec
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack, BatchResult
 from tests.relay_helpers import looping
 
@@ -324,6 +324,75 @@ def test_a_session_lost_under_a_background_mark_lets_go_of_its_shards_and_sends_
         store.engine.dispose()
     assert len(owned) == SHARD_COUNT and stub.let_go_shards >= owned
     assert {record.id for record in stub.acked} == set(ids)  # each went, some twice
+
+
+class OwnedWhileMarked(SlowMarks):
+    """Slow background marks that look, once they slept, at the shards their relay's owner
+    session still holds (in ``pg_locks``): a mark must never run over a shard let go."""
+
+    def __init__(self, url: str, seconds: float) -> None:
+        super().__init__(url, seconds)
+        self.checked = 0
+        self.let_go_under_a_mark: list[frozenset[int]] = []
+
+    def record_outcome(  # type: ignore[no-untyped-def]
+        self, acks, failures=(), released=(), connection=None, owner_key=None
+    ) -> None:
+        if connection is not None and owner_key is not None:
+            connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
+            held = {
+                int(row[0])
+                for row in connection.execute(
+                    "SELECT s.objid::bigint FROM pg_locks AS s JOIN pg_locks AS o"
+                    " ON o.pid = s.pid AND o.locktype = 'advisory' AND o.classid = %s::oid"
+                    " AND o.objid = %s::bigint::oid AND o.objsubid = 2"
+                    " WHERE s.locktype = 'advisory' AND s.classid = %s::oid AND s.objsubid = 2",
+                    (
+                        self.spec.lock_space("session"),
+                        owner_key,
+                        self.spec.lock_space("shard"),
+                    ),
+                )
+            }
+            marked = frozenset(self.shard_of[a.id] for a in acks)
+            self.checked += 1
+            if not marked <= held:
+                self.let_go_under_a_mark.append(marked - held)
+        RelayStore.record_outcome(self, acks, failures, released, connection, owner_key)
+
+
+def test_a_shard_is_never_let_go_while_a_mark_of_it_runs(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    """Reads and marks beside the owner session check only that it lives: the loop itself
+    keeps them to the shards it holds. A second member appears while a batch over every shard
+    is being marked: the relay lets half its shards go only once the mark is recorded."""
+    import psycopg
+
+    publish(engine, 400, keys=100)
+    store = OwnedWhileMarked(outbox_url, seconds=1.0)
+    relay = Relay(config(outbox_url), store=store, publisher=StubPublisher(latency=0.01))
+    conninfo = sa.make_url(outbox_url).set(drivername="postgresql").render_as_string(False)
+    member = psycopg.connect(conninfo, autocommit=True)
+    try:
+        relay._connect()
+        relay._maybe_rebalance()
+        assert relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
+        deadline = time.monotonic() + 10
+        while not len(relay._recorder):  # until a batch is acknowledged and being marked
+            assert time.monotonic() < deadline
+            relay._step()
+        member.execute(
+            "SELECT pg_advisory_lock(%s, %s)", (OutboxTableSpec().lock_space("member"), 999_999)
+        )
+        relay._next_rebalance = 0.0
+        relay._maybe_rebalance()
+        relay._collect_recordings(block=True)
+        assert store.checked == 1 and store.let_go_under_a_mark == []
+        assert len(relay._ownership.owned) == SHARD_COUNT // 2
+    finally:
+        relay.stop()
+        relay._shutdown()
+        member.close()
+        store.engine.dispose()
 
 
 def test_a_transaction_written_to_an_idle_relay_goes_in_one_batch_over_all_its_shards(
