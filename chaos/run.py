@@ -140,6 +140,27 @@ class FaultLog:
         return entry
 
 
+#: What a run writes in its folder that it appends to (processes that restart reopen them):
+#: left by an earlier run in the same folder, they would count with this one's (its writers'
+#: journals, read back as commits this run's database must hold).
+EARLIER_RUN_FILES = (
+    "faults.jsonl",
+    "handover.jsonl",
+    "writer-*.jsonl",
+    "writer-*.sent",
+    "relay-*.log",
+    "writer-*.log",
+    "consumer-*.log",
+)
+
+
+def clear_earlier_run(output: Path) -> None:
+    """Remove what an earlier run left in ``output`` (only the files a run writes)."""
+    for pattern in EARLIER_RUN_FILES:
+        for path in output.glob(pattern):
+            path.unlink()
+
+
 class ChaosRun:
     def __init__(self, settings: ChaosSettings, echo: Callable[[str], None] = print) -> None:
         self.settings = settings
@@ -150,7 +171,7 @@ class ChaosRun:
         self.stack = ChaosStack(f"chaos-{os.getpid()}-{self.run_id}", brokers=self.profile.brokers)
         self.rate = settings.rate or self.profile.rate
         self.schedule = plan(settings.seed, self.profile, settings.duration)
-        (settings.output / "faults.jsonl").unlink(missing_ok=True)  # a folder used before
+        clear_earlier_run(settings.output)
         self.log = FaultLog(settings.output / "faults.jsonl", echo)
         self.fleet: RelayFleet | None = None
         self.consumers: ConsumerFleet | None = None

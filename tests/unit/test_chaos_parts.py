@@ -629,3 +629,29 @@ def test_an_overlaps_holds_count_from_when_each_part_is_in_place(tmp_path: Path)
         ("heal relay_kill", 124.1),  # a stopped relay comes back after the broker
     ]
     assert run.log.faults[-1]["healed"] == 124.1
+
+
+def test_a_run_in_a_folder_used_before_starts_from_nothing_of_the_earlier_run(
+    tmp_path: Path,
+) -> None:
+    """Writers' journals are appended to (a writer process that restarts goes on with its
+    own): an earlier run's, left in the folder, would be read back as this run's commits."""
+    from outbox.chaos.run import clear_earlier_run
+
+    earlier = [
+        "faults.jsonl",
+        "handover.jsonl",
+        "writer-0.jsonl",
+        "writer-1.sent",
+        "relay-2.log",
+        "writer-0.log",
+        "consumer-1.log",
+    ]
+    for name in earlier:
+        (tmp_path / name).write_text("from an earlier run\n")
+    (tmp_path / "notes.txt").write_text("the user's own\n")
+    (tmp_path / "reconcile").mkdir()
+
+    clear_earlier_run(tmp_path)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "reconcile"]
