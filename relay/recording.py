@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -37,8 +37,10 @@ class Recording(Generic[T]):
 
 
 class OutcomeRecorder(Generic[T]):
-    """Worker threads that run the loop's outcome statements; the loop collects them in the
-    order it submitted them."""
+    """Worker threads that run the loop's outcome statements; the loop collects each as soon
+    as it is recorded, whatever was submitted before it: the outcomes being recorded are of
+    different shards, and one slow statement must not keep the shards of the batches recorded
+    after it busy."""
 
     def __init__(self, workers: int = 1) -> None:
         self._worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="outbox-record")
@@ -53,20 +55,21 @@ class OutcomeRecorder(Generic[T]):
         self._pending.append(Recording(batch, self._worker.submit(record)))
 
     def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the oldest outcome being recorded."""
+        """Wait up to ``timeout`` seconds for any outcome being recorded to be recorded."""
         if self._pending:
-            wait_for_futures([self._pending[0].future], timeout)
+            wait_for_futures(
+                [recording.future for recording in self._pending], timeout, FIRST_COMPLETED
+            )
 
     def collect(self, block: bool) -> Iterator[T]:
-        """The batches recorded so far, in the order submitted; with ``block``, every one
-        submitted, waiting for each. A statement that failed raises its error here (the
-        session is lost: see :meth:`abandon`)."""
-        while self._pending:
-            recording = self._pending[0]
+        """The batches recorded so far, in the order submitted, passing over those still being
+        recorded; with ``block``, every one submitted, waiting for each. A statement that
+        failed raises its error here (the session is lost: see :meth:`abandon`)."""
+        for recording in list(self._pending):
             if not block and not recording.future.done():
-                return
+                continue
             recording.future.result()  # raises the statement's error
-            self._pending.popleft()
+            self._pending.remove(recording)
             yield recording.batch
 
     def abandon(self) -> None:

@@ -292,6 +292,28 @@ def test_outcomes_are_recorded_in_the_background_in_order_and_collected_as_they_
     recorder.close()
 
 
+def test_an_outcome_recorded_behind_a_slow_one_is_collected_without_waiting_for_it() -> None:
+    """Head-of-line: a slow mark must not keep the shards of the batches marked after it busy."""
+    import threading
+
+    from outbox.relay.recording import OutcomeRecorder
+
+    recorder: OutcomeRecorder[str] = OutcomeRecorder(workers=2)
+    release = threading.Event()
+    recorder.submit("slow", lambda: release.wait(5) and None)
+    second_done = threading.Event()
+    recorder.submit("fast", second_done.set)
+    assert second_done.wait(5)
+    recorder.wait(5)  # returns once any outcome is recorded: "fast" is
+    assert list(recorder.collect(block=False)) == ["fast"]
+    assert len(recorder) == 1  # the slow one is still being recorded
+    assert list(recorder.collect(block=False)) == []
+    release.set()
+    assert list(recorder.collect(block=True)) == ["slow"]
+    assert len(recorder) == 0
+    recorder.close()
+
+
 def test_a_failed_recording_raises_when_collected_and_abandon_forgets_the_rest() -> None:
     from outbox.relay.recording import OutcomeRecorder
 
@@ -310,3 +332,4 @@ def test_a_failed_recording_raises_when_collected_and_abandon_forgets_the_rest()
     recorder.abandon()
     assert len(recorder) == 0 and list(recorder.collect(block=True)) == []
     recorder.close()
+
