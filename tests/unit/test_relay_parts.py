@@ -333,3 +333,38 @@ def test_a_failed_recording_raises_when_collected_and_abandon_forgets_the_rest()
     assert len(recorder) == 0 and list(recorder.collect(block=True)) == []
     recorder.close()
 
+
+@pytest.mark.parametrize(
+    ("settings", "linger"),
+    [
+        ({}, 5),  # the transactional default
+        ({"linger.ms": 0}, 0),  # the operator's word wins
+        ({"queue.buffering.max.ms": 20}, None),  # librdkafka's other name for it
+    ],
+)
+def test_transactional_producers_linger_unless_told_otherwise(
+    settings: dict[str, object], linger: int | None
+) -> None:
+    from outbox.relay.producers import TRANSACTION_LINGER_MS, ExactlyOncePublisher
+
+    publisher = ExactlyOncePublisher(
+        {"bootstrap.servers": "127.0.0.1:9", **settings},
+        transactional_id_prefix="lin",
+        progress_topic="lin-progress",
+        owner="lin",
+        delivery_timeout_ms=1000,
+    )
+    try:
+        config = publisher.producer_config(7)
+    finally:
+        publisher.close()
+    assert config["transactional.id"] == "lin-7"
+    if linger is None:
+        assert config["queue.buffering.max.ms"] == 20 and "linger.ms" not in settings
+        assert config.get("linger.ms") != TRANSACTION_LINGER_MS
+    else:
+        assert config["linger.ms"] == linger
+    # The producer accepts them (a bad combination fails here, not at a take-over).
+    from confluent_kafka import Producer
+
+    Producer({k: v for k, v in config.items() if k != "logger"}).flush(0)
