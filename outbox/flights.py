@@ -272,8 +272,13 @@ class _DeadlineWatchdog:
 
     def watch(self, deadline: float | None) -> None:
         with self._changed:
+            # Woken only for an earlier deadline: one that moved later (a batch settled, one
+            # started) is found when the thread wakes for the old one, so a relay that keeps
+            # up does not wake this thread twice per batch.
+            earlier = deadline is not None and (self._deadline is None or deadline < self._deadline)
             self._deadline = deadline
-            self._changed.notify()
+            if earlier:
+                self._changed.notify()
 
     def stop(self) -> None:
         with self._changed:
