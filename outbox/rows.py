@@ -105,13 +105,19 @@ def pending_row(row: Any) -> PendingRow:
     )
 
 
-def array_literal(values: Iterable[uuid.UUID | int]) -> str:
-    """An array of ids or numbers as one PostgreSQL array literal, for ``CAST(:p AS t[])``.
+def array_literal(values: Iterable[int]) -> str:
+    """An array of numbers as one PostgreSQL array literal, for ``CAST(:p AS t[])``.
 
     A Python list is adapted element by element in Python; a batch's marks are its largest
     parameters, and one string is several times cheaper to build and send.
     """
     return "{" + ",".join(map(str, values)) + "}"
+
+
+def id_array_literal(ids: Iterable[uuid.UUID]) -> str:
+    """An array of ids as one literal for ``CAST(:p AS uuid[])``: each as its 32 hex digits,
+    which PostgreSQL reads as the same uuid, at a third of the cost of ``str()``."""
+    return "{" + ",".join(message_id.hex for message_id in ids) + "}"
 
 
 class OutboxRows:
@@ -172,7 +178,7 @@ class OutboxRows:
         anywhere = {"owner_key": None, **self.spec.owner_session_keys}
         if acks and self.delete_on_send:
             statements.append(
-                ("delete_sent", {"ids": array_literal(a.id for a in acks), **anywhere})
+                ("delete_sent", {"ids": id_array_literal(a.id for a in acks), **anywhere})
             )
         elif acks:
             statements.append(
@@ -180,7 +186,7 @@ class OutboxRows:
                     "mark_sent",
                     {
                         **anywhere,
-                        "ids": array_literal(a.id for a in acks),
+                        "ids": id_array_literal(a.id for a in acks),
                         "partitions": array_literal(a.partition for a in acks),
                         "offsets": array_literal(a.offset for a in acks),
                         "generations": array_literal(a.generation for a in acks),

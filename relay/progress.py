@@ -30,7 +30,8 @@ def encode_progress(shard: int, owner: str, acks: list[Ack]) -> bytes:
             "owner": owner,
             # The generation says which requeue of the row this batch sent (see
             # `requeue_missing`): recovery marks a row sent only for that same generation.
-            "acks": [[str(a.id), a.partition, a.offset, a.generation] for a in acks],
+            # orjson writes a UUID as its text itself, several times faster than str().
+            "acks": [[a.id, a.partition, a.offset, a.generation] for a in acks],
         }
     )
 
