@@ -265,6 +265,8 @@ class _DeadlineWatchdog:
     def __init__(self, purge: Callable[[], None]) -> None:
         self._purge = purge
         self._deadline: float | None = None
+        #: When the thread wakes by itself (None: it waits to be notified).
+        self._wakes_at: float | None = None
         self._stopped = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="outbox-deadlines", daemon=True)
@@ -272,12 +274,11 @@ class _DeadlineWatchdog:
 
     def watch(self, deadline: float | None) -> None:
         with self._changed:
-            # Woken only for an earlier deadline: one that moved later (a batch settled, one
-            # started) is found when the thread wakes for the old one, so a relay that keeps
-            # up does not wake this thread twice per batch.
-            earlier = deadline is not None and (self._deadline is None or deadline < self._deadline)
             self._deadline = deadline
-            if earlier:
+            # Woken only when it would sleep past the new deadline: a deadline that moved later
+            # or went (batches settled, others started) is found when the thread wakes at the
+            # time it sleeps until, so a relay that keeps up does not wake it at every batch.
+            if deadline is not None and (self._wakes_at is None or deadline < self._wakes_at):
                 self._changed.notify()
 
     def stop(self) -> None:
@@ -291,10 +292,12 @@ class _DeadlineWatchdog:
             while not self._stopped:
                 deadline = self._deadline
                 if deadline is None:
+                    self._wakes_at = None
                     self._changed.wait()
                     continue
                 left = deadline - time.monotonic()
                 if left > 0:
+                    self._wakes_at = deadline
                     self._changed.wait(left)
                     continue
                 self._deadline = None

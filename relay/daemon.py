@@ -325,7 +325,9 @@ class Relay:
             else:
                 settled = self._settle(self._publisher.wait(WAIT_SLICE))
         elif len(self._recorder) and not started:
-            settled = self._collect_recordings(block=True)
+            # Whichever outcome is recorded first frees its shards: not the oldest one's wait.
+            self._recorder.wait(WAIT_SLICE)
+            settled = self._collect_recordings(block=False)
         # A batch just recorded may have left rows behind it (the batch size, a shard's
         # window): look again before sleeping, since no commit is left to wake this relay.
         return started or settled or self._publisher.in_flight > 0 or len(self._recorder) > 0
@@ -715,8 +717,9 @@ class Relay:
             return
         assert self._ownership is not None and self._publisher is not None
         self._next_rebalance = now + self.config.rebalance_interval
-        # Ownership runs pipelines on the session: nothing may be recorded meanwhile.
-        self._collect_recordings(block=True)
+        # Marks run on sessions of their own; a shard is let go only after _drain waited for
+        # them (below): what is recorded by now is finished, nothing waited for.
+        self._collect_recordings(block=False)
         self._publisher.serve_events()
         if not self._ownership.joined and self._stays_aside(now):
             return  # stepped aside: the others serve its share meanwhile

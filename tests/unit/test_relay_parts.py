@@ -368,3 +368,46 @@ def test_transactional_producers_linger_unless_told_otherwise(
     from confluent_kafka import Producer
 
     Producer({k: v for k, v in config.items() if k != "logger"}).flush(0)
+
+
+def test_the_deadline_watchdog_purges_at_the_earliest_deadline_and_never_before() -> None:
+    """Woken only for an earlier deadline: one that moved later or went is found when the
+    thread wakes by itself, so it must purge neither early nor late."""
+    import threading
+    import time
+
+    from outbox.flights import _DeadlineWatchdog
+
+    purged: list[float] = []
+    purged_event = threading.Event()
+
+    def purge() -> None:
+        purged.append(time.monotonic())
+        purged_event.set()
+
+    watchdog = _DeadlineWatchdog(purge)
+    try:
+        start = time.monotonic()
+        watchdog.watch(start + 0.6)
+        watchdog.watch(start + 0.2)  # earlier: the thread must wake for it
+        assert purged_event.wait(5)
+        assert purged[0] - start >= 0.2 and purged[0] - start < 0.6
+        purged_event.clear()
+
+        start = time.monotonic()
+        watchdog.watch(start + 0.2)
+        watchdog.watch(start + 0.5)  # later: found when the thread wakes at 0.2
+        assert purged_event.wait(5)
+        assert purged[1] - start >= 0.5
+        purged_event.clear()
+
+        start = time.monotonic()
+        watchdog.watch(start + 0.2)
+        watchdog.watch(None)  # every batch settled: nothing to purge at 0.2
+        time.sleep(0.4)
+        assert len(purged) == 2
+        watchdog.watch(time.monotonic() + 0.1)  # a batch started while the thread waits
+        assert purged_event.wait(5)
+        assert len(purged) == 3
+    finally:
+        watchdog.stop()
