@@ -439,6 +439,9 @@ class Relay:
             self.store.record_outcome(ended.acks, ended.failures, connection=self._conn)
             self._finish(ended)
         elif ended.acks:
+            # Kafka answered now, however long the mark takes: a batch being marked is not
+            # one that Kafka leaves unanswered (see _refresh_serving).
+            self._last_ack = self._last_reached = time.monotonic()
             # Bound to these sessions: a mark never runs on the next ones, whose owner
             # session may not hold the shards.
             record = functools.partial(self._mark, self._free_markers, ended.acks, self._owner_key)
@@ -717,8 +720,8 @@ class Relay:
             return
         assert self._ownership is not None and self._publisher is not None
         self._next_rebalance = now + self.config.rebalance_interval
-        # Marks run on sessions of their own; a shard is let go only after _drain waited for
-        # them (below): what is recorded by now is finished, nothing waited for.
+        # Marks run on sessions of their own, and the shards let go below are drained first
+        # (_drain): what is recorded by now is finished, nothing is waited for.
         self._collect_recordings(block=False)
         self._publisher.serve_events()
         if not self._ownership.joined and self._stays_aside(now):
