@@ -52,6 +52,7 @@ from outbox.relay.producers import (
     InFlight,
 )
 from outbox.relay.progress import ensure_progress_topic
+from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
 from outbox.relay.store import Failure, PendingRow, RelayStore, shard_window
 from outbox.relay.tracing import start_batch_span
@@ -135,6 +136,8 @@ class _Ended:
     failures: list[Failure] = field(default_factory=list)
     lost_shards: list[int] = field(default_factory=list)
     gaps: list[uuid.UUID] = field(default_factory=list)
+    #: The transaction of the mark that recorded the acknowledgements, once it committed.
+    mark_xid: int | None = None
 
 
 class Relay:
@@ -195,6 +198,8 @@ class Relay:
         #: The last read that found rows took as many as it may, in all or of one shard (a
         #: backlog): the next reads one group of shards.
         self._behind = False
+        #: Shards a look found empty, and as of which snapshot.
+        self._quiet = QuietShards()
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self._failed_take_overs = 0
@@ -399,9 +404,23 @@ class Relay:
 
     def _read(self, shards: list[int], group: int) -> list[PendingRow]:
         """The next rows of ``shards``; each shard's window is a group-read's (``group``
-        shards), however many shards are read."""
+        shards), however many shards are read.
+
+        Caught up, a read is skipped when a look found each of the shards empty and nothing
+        has committed since (see :mod:`outbox.relay.quiet`): most reads of a relay that
+        keeps up find nothing, and the snapshot costs the database a fraction of a read."""
         size, per_shard = self._limits(len(shards), group)
-        return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
+        if self._behind:
+            return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
+        assert self._reader is not None
+        snapshot = self.store.snapshot(self._reader)
+        now = time.monotonic()
+        if self._quiet.unchanged(shards, snapshot, now):
+            return []
+        batch = self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
+        found = Counter(row.shard for row in batch)
+        self._quiet.saw(shards, found, snapshot, now, len(batch) < size, per_shard)
+        return batch
 
     def _limits(self, shards: int, group: int) -> tuple[int, int]:
         """The most rows a read of ``shards`` shards takes, in all and of one shard."""
@@ -444,22 +463,26 @@ class Relay:
             self._last_ack = self._last_reached = time.monotonic()
             # Bound to these sessions: a mark never runs on the next ones, whose owner
             # session may not hold the shards.
-            record = functools.partial(self._mark, self._free_markers, ended.acks, self._owner_key)
+            record = functools.partial(self._mark, self._free_markers, ended, self._owner_key)
             self._recorder.submit(ended, record)
         else:
             self._finish(ended)  # nothing to record: every row stays pending, untouched
         return True
 
     def _mark(
-        self, free: queue.SimpleQueue[psycopg.Connection], acks: Sequence[Ack], owner_key: int
+        self, free: queue.SimpleQueue[psycopg.Connection], ended: _Ended, owner_key: int
     ) -> None:
-        """Mark ``acks`` sent on a free marking session (run by a recorder's worker: there are
-        as many workers as sessions, so one is always free)."""
+        """Mark ``ended``'s acknowledgements sent on a free marking session (run by a
+        recorder's worker: there are as many workers as sessions, so one is always free)."""
         session = free.get_nowait()
         try:
-            self.store.record_outcome(acks, connection=session, owner_key=owner_key)
+            ended.mark_xid = self.store.mark_acked(ended.acks, session, owner_key)
         finally:
             free.put(session)
+        if ended.mark_xid is not None:
+            # Known as soon as it committed: the loop's next look may come before it collects
+            # this batch.
+            self._quiet.own(ended.mark_xid)
 
     def _collect_recordings(self, block: bool) -> bool:
         """Finish the batches whose outcome the background recorded (with ``block``, every
@@ -473,6 +496,15 @@ class Relay:
     def _finish(self, ended: _Ended) -> None:
         """A batch's outcome is recorded: its shards are idle again."""
         assert self._publisher is not None and self._ownership is not None
+        if (
+            ended.mark_xid is None
+            or ended.failures
+            or ended.lost_shards
+            or any(flight.result.not_attempted for flight in ended.flights)
+        ):
+            self._quiet.not_all_sent(
+                record.shard for flight in ended.flights for record in flight.records
+            )
         now = time.monotonic()
         for flight in ended.flights:
             _, began, end_span = self._busy_shards.pop(flight)
@@ -895,6 +927,7 @@ class Relay:
         self._recorder.abandon()  # no statement may run on the session when it is closed
         self._busy_shards.clear()
         self._rows.clear()
+        self._quiet.forget()
         if self._ownership is not None:
             lost = self._ownership.forget()
             if lost and self._publisher is not None:

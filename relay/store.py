@@ -104,10 +104,7 @@ class RelayStore(OutboxRows):
         assert not released, "the relay leases nothing to release"
         statements = self._outcome_statements(acks, failures)
         if len(statements) == 1 and not failures:  # the usual batch: one autocommit round trip
-            name, params = statements[0]
-            connection.execute(
-                self._psycopg_sql(name), {**params, "owner": None, "owner_key": owner_key}
-            )
+            self.mark_acked(acks, connection, owner_key)
             return
         assert owner_key is None, "failures are recorded on the owner session"
         with connection.pipeline(), connection.transaction():
@@ -115,6 +112,40 @@ class RelayStore(OutboxRows):
             connection.execute("SET LOCAL enable_nestloop = off")  # see hash_joins_only
             for name, params in statements:  # sent together: one round trip
                 connection.execute(self._psycopg_sql(name), {**params, "owner": None})
+
+    def mark_acked(
+        self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
+    ) -> int | None:
+        """Mark ``acks`` sent (or delete them, keep-nothing) in one autocommit statement on
+        ``connection``; returns the id of the transaction that did (None: nothing changed), so
+        that the relay knows its own commits among those that change the snapshot (see
+        :mod:`outbox.relay.quiet`)."""
+        ((name, params),) = self._outcome_statements(acks, ())
+        row = connection.execute(
+            self._marking_sql(name), {**params, "owner": None, "owner_key": owner_key}
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def _marking_sql(self, name: str) -> str:
+        """``name``'s statement, returning the id of its transaction (counting the changed
+        rows first makes the change run before the id is asked for)."""
+        key = f"{name}+xid"
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = (
+                f"WITH changed AS ({self._psycopg_sql(name).rstrip().rstrip(';')} RETURNING 1) "
+                "SELECT pg_current_xact_id_if_assigned()::text "
+                "FROM (SELECT count(*) FROM changed) AS counted"
+            )
+        return compiled
+
+    @staticmethod
+    def snapshot(connection: psycopg.Connection) -> str:
+        """The database's current snapshot, as text: it changes whenever any transaction
+        commits (see :mod:`outbox.relay.quiet`)."""
+        row = connection.execute("SELECT pg_current_snapshot()::text").fetchone()
+        assert row is not None
+        return str(row[0])
 
     def owner_alive(self, session: psycopg.Connection, owner_key: int) -> bool:
         """Whether ``session`` sees the owner session that locked ``owner_key`` as alive."""
