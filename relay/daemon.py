@@ -418,8 +418,7 @@ class Relay:
         if self._quiet.unchanged(shards, snapshot, now):
             return []
         batch = self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
-        found = Counter(row.shard for row in batch)
-        self._quiet.saw(shards, found, snapshot, now, len(batch) < size, per_shard)
+        self._quiet.saw(shards, (row.shard for row in batch), snapshot, now, len(batch) < size)
         return batch
 
     def _limits(self, shards: int, group: int) -> tuple[int, int]:
@@ -496,15 +495,6 @@ class Relay:
     def _finish(self, ended: _Ended) -> None:
         """A batch's outcome is recorded: its shards are idle again."""
         assert self._publisher is not None and self._ownership is not None
-        if (
-            ended.mark_xid is None
-            or ended.failures
-            or ended.lost_shards
-            or any(flight.result.not_attempted for flight in ended.flights)
-        ):
-            self._quiet.not_all_sent(
-                record.shard for flight in ended.flights for record in flight.records
-            )
         now = time.monotonic()
         for flight in ended.flights:
             _, began, end_span = self._busy_shards.pop(flight)

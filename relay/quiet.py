@@ -15,16 +15,15 @@ snapshot differ: a look never stands for more than it saw.
 The relay's own marks commit too, one per batch. A mark only sets rows of its batch's shards
 sent, and those shards were busy (not looked at) until it committed, so a snapshot that
 differs only by transactions the relay knows are its own marks still stands for the shards
-found empty. It stands, too, for a shard whose rows a read took whole (fewer than its window,
-the read not cut short) once the relay's mark recorded all of them sent: the shard then
-holds nothing that was committed before the look. A batch that ended any other way (a
-failure, rows not attempted, a lost shard) leaves rows pending: its shards are looked at again.
+found empty. (A shard whose rows a read took is busy until its batch is recorded, and is then
+read again: fewer rows than its window does not mean none were left, since the window is
+taken before rows an immediate sender holds, and the rows of their keys, are passed over.)
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 #: Own marks remembered, and the most transactions a changed snapshot is searched for
 #: others (more than that ended: something else is going on, read).
@@ -77,28 +76,17 @@ class QuietShards:
         return True
 
     def saw(
-        self,
-        shards: Iterable[int],
-        found: Mapping[int, int],
-        snapshot: str,
-        now: float,
-        whole: bool,
-        window: int,
+        self, shards: Iterable[int], found: Iterable[int], snapshot: str, now: float, whole: bool
     ) -> None:
-        """A read of ``shards``, after ``snapshot`` was taken at ``now``, found ``found[shard]``
-        rows of each. ``whole``: the read was not cut short by its size, so a shard with fewer
-        rows than its ``window`` holds no others: none once these are marked sent (see
-        :meth:`not_all_sent`)."""
+        """A read of ``shards``, after ``snapshot`` was taken at ``now``, found rows of the
+        shards in ``found``. ``whole``: the read was not cut short by its size, so the other
+        shards hold nothing that may go."""
+        found = set(found)
         for shard in shards:
-            if whole and found.get(shard, 0) < window:
+            if whole and shard not in found:
                 self._looks[shard] = (snapshot, now)
             else:
                 self._looks.pop(shard, None)
-
-    def not_all_sent(self, shards: Iterable[int]) -> None:
-        """A batch of ``shards`` ended with rows still pending: look at them again."""
-        for shard in shards:
-            self._looks.pop(shard, None)
 
     def forget(self) -> None:
         """Shards changed hands, or the session was lost: look again before trusting a look."""

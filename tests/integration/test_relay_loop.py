@@ -196,19 +196,17 @@ class SlowMarks(RelayStore):
         self.shard_of.update((row.id, row.shard) for row in rows)
         return rows
 
-    def record_outcome(  # type: ignore[no-untyped-def]
-        self, acks, failures=(), released=(), connection=None, owner_key=None
-    ) -> None:
+    def mark_acked(self, acks, connection, owner_key):  # type: ignore[no-untyped-def]
         began = time.monotonic()
-        if connection is not None:
-            self.sleeping.set()
-            try:
-                connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
-            finally:
-                self.sleeping.clear()
-        super().record_outcome(acks, failures, released, connection, owner_key)
+        self.sleeping.set()
+        try:
+            connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
+        finally:
+            self.sleeping.clear()
+        xid = super().mark_acked(acks, connection, owner_key)
         shards = frozenset(self.shard_of[a.id] for a in acks)
         self.marks.append((began, time.monotonic(), shards))
+        return xid
 
 
 class TimedStub(StubPublisher):
@@ -335,10 +333,8 @@ class OwnedWhileMarked(SlowMarks):
         self.checked = 0
         self.let_go_under_a_mark: list[frozenset[int]] = []
 
-    def record_outcome(  # type: ignore[no-untyped-def]
-        self, acks, failures=(), released=(), connection=None, owner_key=None
-    ) -> None:
-        if connection is not None and owner_key is not None:
+    def mark_acked(self, acks, connection, owner_key):  # type: ignore[no-untyped-def]
+        if owner_key is not None:
             connection.execute("SELECT pg_sleep(%s)", (self.seconds,))
             held = {
                 int(row[0])
@@ -358,7 +354,7 @@ class OwnedWhileMarked(SlowMarks):
             self.checked += 1
             if not marked <= held:
                 self.let_go_under_a_mark.append(marked - held)
-        RelayStore.record_outcome(self, acks, failures, released, connection, owner_key)
+        return RelayStore.mark_acked(self, acks, connection, owner_key)
 
 
 def test_a_shard_is_never_let_go_while_a_mark_of_it_runs(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]

@@ -416,15 +416,15 @@ def test_the_deadline_watchdog_purges_at_the_earliest_deadline_and_never_before(
 
 def test_a_look_that_found_shards_empty_stands_only_while_the_snapshot_and_the_time_do() -> None:
     quiet = QuietShards(quiet_for=0.05)
-    quiet.saw([1, 2, 3], {2: 5}, "10:12:10,11", 100.0, whole=True, window=5)
+    quiet.saw([1, 2, 3], [2], "10:12:10,11", 100.0, whole=True)
     assert quiet.unchanged([1, 3], "10:12:10,11", 100.01)
-    assert not quiet.unchanged([1, 2], "10:12:10,11", 100.01)  # shard 2 filled its window
+    assert not quiet.unchanged([1, 2], "10:12:10,11", 100.01)  # shard 2 had rows
     assert not quiet.unchanged([1, 4], "10:12:10,11", 100.01)  # shard 4 was not looked at
     assert not quiet.unchanged([1, 3], "10:12:11", 100.01)  # a transaction ended since
     assert not quiet.unchanged([1, 3], "10:12:10,11", 100.06)  # rows may be due by now
-    quiet.saw([1, 3], {}, "10:13:10,11", 100.02, whole=False, window=5)
+    quiet.saw([1, 3], [], "10:13:10,11", 100.02, whole=False)
     assert not quiet.unchanged([1], "10:13:10,11", 100.03)  # a read cut short proves nothing
-    quiet.saw([1], {}, "10:13:10,11", 100.03, whole=True, window=5)
+    quiet.saw([1], [], "10:13:10,11", 100.03, whole=True)
     assert quiet.unchanged([1], "10:13:10,11", 100.04)
     quiet.forget()
     assert not quiet.unchanged([1], "10:13:10,11", 100.04)
@@ -439,7 +439,7 @@ def test_the_transactions_that_ended_between_two_snapshots_are_found() -> None:
 
 def test_a_look_stands_across_the_relays_own_marks_and_no_other_commit() -> None:
     quiet = QuietShards(quiet_for=0.05)
-    quiet.saw([1, 2], {2: 3}, "10:12:10", 100.0, whole=True, window=5)
+    quiet.saw([1, 2], [], "10:12:10", 100.0, whole=True)
     assert not quiet.unchanged([1, 2], "10:13:10", 100.01)  # 12 ended: whose?
     quiet.own(12)
     assert quiet.unchanged([1, 2], "10:13:10", 100.01)
@@ -448,6 +448,3 @@ def test_a_look_stands_across_the_relays_own_marks_and_no_other_commit() -> None
     quiet.own(10)
     assert quiet.unchanged([1, 2], "11:13:", 100.01)
     assert not quiet.unchanged([1, 2], "11:13:", 100.06)  # rows may be due with time alone
-    quiet.not_all_sent([2])  # shard 2's batch failed, say: its rows are still pending
-    assert quiet.unchanged([1], "11:13:", 100.01)
-    assert not quiet.unchanged([2], "11:13:", 100.01)
