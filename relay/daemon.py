@@ -136,8 +136,6 @@ class _Ended:
     failures: list[Failure] = field(default_factory=list)
     lost_shards: list[int] = field(default_factory=list)
     gaps: list[uuid.UUID] = field(default_factory=list)
-    #: The transaction of the mark that recorded the acknowledgements, once it committed.
-    mark_xid: int | None = None
 
 
 class Relay:
@@ -411,14 +409,16 @@ class Relay:
         keeps up find nothing, and the snapshot costs the database a fraction of a read."""
         size, per_shard = self._limits(len(shards), group)
         if self._behind:
+            self._quiet.drop(shards)  # their rows may be taken and marked: no look stands
             return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
         assert self._reader is not None
         snapshot = self.store.snapshot(self._reader)
         now = time.monotonic()
-        if self._quiet.unchanged(shards, snapshot, now):
+        if self._quiet.unchanged(shards, snapshot, now, per_shard):
             return []
         batch = self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
-        self._quiet.saw(shards, (row.shard for row in batch), snapshot, now, len(batch) < size)
+        found = (row.shard for row in batch)
+        self._quiet.saw(shards, found, snapshot, now, len(batch) < size, per_shard)
         return batch
 
     def _limits(self, shards: int, group: int) -> tuple[int, int]:
@@ -475,13 +475,13 @@ class Relay:
         recorder's worker: there are as many workers as sessions, so one is always free)."""
         session = free.get_nowait()
         try:
-            ended.mark_xid = self.store.mark_acked(ended.acks, session, owner_key)
+            xid = self.store.mark_acked(ended.acks, session, owner_key)
         finally:
             free.put(session)
-        if ended.mark_xid is not None:
+        if xid is not None:
             # Known as soon as it committed: the loop's next look may come before it collects
             # this batch.
-            self._quiet.own(ended.mark_xid)
+            self._quiet.own(xid)
 
     def _collect_recordings(self, block: bool) -> bool:
         """Finish the batches whose outcome the background recorded (with ``block``, every

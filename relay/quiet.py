@@ -12,12 +12,14 @@ runs out), so a look stands for at most :data:`QUIET_FOR` seconds.
 The snapshot is taken before the read, so a commit made between the two makes the next
 snapshot differ: a look never stands for more than it saw.
 
-The relay's own marks commit too, one per batch. A mark only sets rows of its batch's shards
-sent, and those shards were busy (not looked at) until it committed, so a snapshot that
-differs only by transactions the relay knows are its own marks still stands for the shards
-found empty. (A shard whose rows a read took is busy until its batch is recorded, and is then
-read again: fewer rows than its window does not mean none were left, since the window is
-taken before rows an immediate sender holds, and the rows of their keys, are passed over.)
+The relay's own marks commit too, one per batch. A mark only sets rows sent that a read took,
+and a read that takes rows of a shard drops its look, so a snapshot that differs only by
+transactions the relay knows are its own marks still stands for the shards found empty.
+(Fewer rows than a shard's window does not mean none were left: the window is taken before
+the rows an immediate sender holds, and the rows of their keys, are passed over. For the same
+reason a look stands only for a read with the same window, which changes with the number of
+shards owned.) Any other commit, a NOTIFY of a relay going to sleep included, makes the next
+read a real one.
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ from collections.abc import Iterable, Sequence
 OWN_KEPT = 256
 MOST_ENDED = 64
 
-#: Longest a look that found a shard empty stands for it while nothing commits: the most a
-#: row that becomes due with time alone (end of a retry's backoff) waits for it.
+#: Longest a look that found a shard empty stands for it while nothing commits: rows also
+#: become due with time alone (the end of a retry's backoff, of an immediate sender's lease).
 QUIET_FOR = 0.05
 
 
 class QuietShards:
-    """Shards found empty, each with the snapshot taken before the look and its time."""
+    """Shards found empty, each with the snapshot taken before the look, its time and the
+    shard's window then."""
 
     def __init__(self, quiet_for: float = QUIET_FOR) -> None:
         self.quiet_for = quiet_for
-        self._looks: dict[int, tuple[str, float]] = {}
+        self._looks: dict[int, tuple[str, float, int]] = {}
         self._own: set[int] = set()
         self._own_order: deque[int] = deque()
         #: Snapshots known to differ only by own marks from an earlier one: (earlier, later).
@@ -54,13 +57,13 @@ class QuietShards:
         if len(self._own_order) > OWN_KEPT:
             self._own.discard(self._own_order.popleft())
 
-    def unchanged(self, shards: Sequence[int], snapshot: str, now: float) -> bool:
-        """Whether every one of ``shards`` was found empty less than ``quiet_for`` seconds
-        before ``now``, at a snapshot that differs from ``snapshot`` by own marks at most: a
-        read of them would find nothing."""
+    def unchanged(self, shards: Sequence[int], snapshot: str, now: float, window: int) -> bool:
+        """Whether every one of ``shards`` was found empty with the same ``window`` less than
+        ``quiet_for`` seconds before ``now``, at a snapshot that differs from ``snapshot`` by
+        own marks at most: a read of them now would find nothing committed since."""
         for shard in shards:
             look = self._looks.get(shard)
-            if look is None or now - look[1] >= self.quiet_for:
+            if look is None or now - look[1] >= self.quiet_for or look[2] != window:
                 return False
             if look[0] != snapshot and not self._only_own_ended(look[0], snapshot):
                 return False
@@ -76,20 +79,31 @@ class QuietShards:
         return True
 
     def saw(
-        self, shards: Iterable[int], found: Iterable[int], snapshot: str, now: float, whole: bool
+        self,
+        shards: Iterable[int],
+        found: Iterable[int],
+        snapshot: str,
+        now: float,
+        whole: bool,
+        window: int,
     ) -> None:
-        """A read of ``shards``, after ``snapshot`` was taken at ``now``, found rows of the
-        shards in ``found``. ``whole``: the read was not cut short by its size, so the other
-        shards hold nothing that may go."""
+        """A read of ``shards`` with a shard ``window``, after ``snapshot`` was taken at
+        ``now``, found rows of the shards in ``found``. ``whole``: the read was not cut short
+        by its size, so the others had nothing in their windows that could go."""
         found = set(found)
         for shard in shards:
             if whole and shard not in found:
-                self._looks[shard] = (snapshot, now)
+                self._looks[shard] = (snapshot, now, window)
             else:
                 self._looks.pop(shard, None)
 
+    def drop(self, shards: Iterable[int]) -> None:
+        """``shards`` were read without a snapshot (behind a backlog): their looks are gone."""
+        for shard in shards:
+            self._looks.pop(shard, None)
+
     def forget(self) -> None:
-        """Shards changed hands, or the session was lost: look again before trusting a look."""
+        """The session was lost: look again before trusting a look."""
         self._looks.clear()
         self._same = None
 
