@@ -405,8 +405,9 @@ class Relay:
         shards), however many shards are read.
 
         Caught up, a read is skipped when a look found each of the shards empty and nothing
-        has committed since (see :mod:`outbox.relay.quiet`): most reads of a relay that
-        keeps up find nothing, and the snapshot costs the database a fraction of a read."""
+        but the relay's own marks has committed since (see :mod:`outbox.relay.quiet`): most
+        reads of a relay that keeps up find nothing, and the snapshot costs the database a
+        fraction of a read."""
         size, per_shard = self._limits(len(shards), group)
         if self._behind:
             self._quiet.drop(shards)  # their rows may be taken and marked: no look stands

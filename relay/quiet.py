@@ -3,9 +3,10 @@
 A relay that keeps up reads its idle shards again and again, and most reads find nothing.
 A read costs the database about a millisecond of CPU; asking for the current snapshot
 (``pg_current_snapshot()``) costs a small fraction of that. A shard found empty at snapshot
-*S* still holds nothing to send while the snapshot is still *S*: any commit, of a writer, a
-relay's mark or anyone else, changes the snapshot (its ``xmax`` grows, or an xid leaves its
-list of transactions in progress), so an unchanged snapshot means nothing committed since.
+*S* still holds nothing to send while the snapshot is still *S*: any commit of a transaction
+that wrote (a writer's, a relay's mark, anyone's) changes the snapshot (its ``xmax`` grows,
+or an xid leaves its list of transactions in progress), so an unchanged snapshot means
+nothing committed since.
 Rows may also become due with time alone (a retry's backoff ends, an immediate sender's lease
 runs out), so a look stands for at most :data:`QUIET_FOR` seconds.
 
@@ -17,9 +18,9 @@ and a read that takes rows of a shard drops its look, so a snapshot that differs
 transactions the relay knows are its own marks still stands for the shards found empty.
 (Fewer rows than a shard's window does not mean none were left: the window is taken before
 the rows an immediate sender holds, and the rows of their keys, are passed over. For the same
-reason a look stands only for a read with the same window, which changes with the number of
-shards owned.) Any other commit, a NOTIFY of a relay going to sleep included, makes the next
-read a real one.
+reason a look stands only for a read with the same window, which, at-least-once, changes
+with the number of shards owned.) Any other commit, a NOTIFY of a relay going to sleep
+included, makes the next read a real one.
 """
 
 from __future__ import annotations
