@@ -38,6 +38,7 @@ from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, migrate
 from outbox.devstack import LocalStack
+from outbox.devstack.stack import stack_home
 from outbox.devstack.topics import create_topics
 from outbox.inbox import install as install_inbox
 
@@ -58,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--orders", type=int, default=500)
     parser.add_argument("--keep", action="store_true", help="leave the servers running")
+    parser.add_argument(
+        "--stack", default="demo", help="the local stack's name, as `outbox dev up --name`"
+    )
     args = parser.parse_args(argv)
 
     started = time.monotonic()
-    stack = LocalStack.named("demo")
+    stack = LocalStack.named(args.stack)
     print("starting PostgreSQL + Kafka on 127.0.0.1 ...", flush=True)
     info = stack.up(database="demo")
     print(f"  database   {sa.make_url(info.database_url).render_as_string(hide_password=True)}")
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.postgres.drop_database("billing")
         billing_url = stack.postgres.create_database("billing")
-        code = run(info.database_url, info.bootstrap_servers, args.orders)
+        output = stack_home() / f"{args.stack}-reconciliation"
+        code = run(info.database_url, info.bootstrap_servers, args.orders, output)
         matches = consume(info.database_url, billing_url, info.bootstrap_servers)
         return code or (0 if matches else 1)
     finally:
@@ -106,7 +111,7 @@ def run_relay(database_url: str, bootstrap_servers: str, engine: sa.Engine, expe
     return seconds
 
 
-def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
+def run(database_url: str, bootstrap_servers: str, orders: int, output: Path) -> int:
     migrate.upgrade(database_url)
     engine = sa.create_engine(database_url)
     with engine.begin() as conn:
@@ -168,7 +173,7 @@ def run(database_url: str, bootstrap_servers: str, orders: int) -> int:
     print(f"  relay                  sent them in {relay_seconds:.1f}s, stopped cleanly")
     print()
     print("reconciliation (Spark: the outbox over JDBC against the topic, read_committed)")
-    return reconcile(database_url, bootstrap_servers, window_start)
+    return reconcile(database_url, bootstrap_servers, window_start, output)
 
 
 def run_consumer(billing_url: str, bootstrap_servers: str, until: Callable[[str], bool]) -> str:
@@ -261,14 +266,14 @@ def consume(database_url: str, billing_url: str, bootstrap_servers: str) -> bool
     return matches
 
 
-def reconcile(database_url: str, bootstrap_servers: str, start: datetime) -> int:
+def reconcile(database_url: str, bootstrap_servers: str, start: datetime, output: Path) -> int:
     """`outbox reconcile` over the messages this run made; its report ends the demo."""
     end = datetime.now(UTC) + timedelta(minutes=1)
     command = [
         sys.executable, "-m", "outbox.cli", "reconcile",
         "--database-url", database_url, "--bootstrap-servers", bootstrap_servers,
         "--start", start.isoformat(), "--end", end.isoformat(), "--grace", "1m",
-        "--output", str(Path(".stack") / "demo-reconciliation"),
+        "--output", str(output),
         "--master", "local[2]", "--driver-memory", "1g", "--jdbc-slices", "2",
     ]  # fmt: skip
     return subprocess.run(command, check=False).returncode
