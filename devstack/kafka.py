@@ -4,6 +4,7 @@ jars: alone, or as one node of a :class:`~outbox.devstack.cluster.KafkaCluster`.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import shutil
 import signal
@@ -16,9 +17,11 @@ from outbox.devstack.procs import StackError, pid_alive, port_open, terminate, w
 
 START_TIMEOUT = 90.0
 HEAP = "-Xmx768m"
-#: ZGC collects concurrently: G1's young pauses (8-18 ms every few seconds on this heap) set
-#: most of a relay's commit-to-ack tail at 1,000 msgs/s (docs/benchmarks.md).
-COLLECTOR = "-XX:+UseZGC"
+#: ZGC collects beside the application: G1's young pauses (8-18 ms every few seconds on this
+#: heap) set most of a relay's commit-to-ack tail at 1,000 msgs/s (docs/benchmarks.md).
+CONCURRENT_COLLECTOR = "-XX:+UseZGC"
+#: For a JVM without ZGC (JDK 17 has it on Linux x64 and aarch64, macOS and Windows only).
+FALLBACK_COLLECTOR = "-XX:+UseG1GC"
 #: Partitions of ``__transaction_state`` and ``__consumer_offsets``.
 INTERNAL_PARTITIONS = 8
 
@@ -68,6 +71,10 @@ class KafkaBroker:
         return self.root / "server.log"
 
     @property
+    def gc_log(self) -> Path:
+        return self.root / "gc.log"
+
+    @property
     def data_dir(self) -> Path:
         return self.root / "data"
 
@@ -114,7 +121,9 @@ class KafkaBroker:
                 [
                     java,
                     self.heap,
-                    COLLECTOR,
+                    collector(java),
+                    # Pauses and allocation stalls, to look at when appends are slow.
+                    f"-Xlog:gc,gc+phases:file={self.gc_log}:time,uptime:filecount=2,filesize=10m",
                     "-Djava.awt.headless=true",
                     f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
                     "-cp",
@@ -246,6 +255,15 @@ class KafkaBroker:
             **self.extra_config,
         }
         return "".join(f"{key}={value}\n" for key, value in settings.items())
+
+
+@functools.cache
+def collector(java: str) -> str:
+    """The garbage collector for a broker on ``java``: ZGC when that JVM has it, else G1."""
+    probe = subprocess.run(
+        [java, CONCURRENT_COLLECTOR, "-version"], capture_output=True, check=False, timeout=60
+    )
+    return CONCURRENT_COLLECTOR if probe.returncode == 0 else FALLBACK_COLLECTOR
 
 
 def new_cluster_id() -> str:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
 from outbox.devstack import maven, procs
-from outbox.devstack.kafka import KafkaBroker
+from outbox.devstack.kafka import (
+    CONCURRENT_COLLECTOR,
+    FALLBACK_COLLECTOR,
+    KafkaBroker,
+    collector,
+)
 from outbox.devstack.postgres import data_root_for
 from outbox.devstack.procs import free_port, pid_alive
 from outbox.devstack.stack import StackInfo, _usable_port
@@ -164,3 +170,16 @@ def test_free_ports_lie_outside_the_ephemeral_range_and_are_not_handed_out_twice
     for port in ports[:5]:  # and each can be listened on
         with socket.socket() as server:
             server.bind(("127.0.0.1", port))
+
+
+def test_a_broker_runs_zgc_where_the_jvm_has_it_and_g1_where_it_does_not(tmp_path: Path) -> None:
+    java = shutil.which("java")
+    assert java is not None, "the local stack needs Java"
+    assert collector(java) == CONCURRENT_COLLECTOR  # JDK 17 has ZGC on Linux x64 and aarch64
+    # A JVM built without ZGC refuses the option, as JDK 17 does on ppc64le or s390x.
+    refusing = tmp_path / "java"
+    refusing.write_text(
+        '#!/bin/sh\ncase "$1" in -XX:+UseZGC) echo "Unrecognized VM option" >&2; exit 1;; esac\n'
+    )
+    refusing.chmod(0o755)
+    assert collector(str(refusing)) == FALLBACK_COLLECTOR
