@@ -156,9 +156,8 @@ def run(database_url: str, bootstrap_servers: str, orders: int, output: Path) ->
 
     relay_seconds = run_relay(database_url, bootstrap_servers, engine, len(committed))
     with engine.connect() as conn:
-        status = dict(
-            conn.execute(sa.text("SELECT status, count(*) FROM outbox GROUP BY status")).all()
-        )
+        rows = conn.execute(sa.text("SELECT status, count(*) FROM outbox GROUP BY status"))
+        status: dict[str, int] = {name: count for name, count in rows}
         order_rows = conn.execute(sa.text("SELECT count(*) FROM orders")).scalar_one()
     engine.dispose()
 
@@ -251,7 +250,7 @@ def consume(database_url: str, billing_url: str, bootstrap_servers: str) -> bool
             sa.text("SELECT count(*), sum(amount_cents), count(DISTINCT order_id) FROM ledger")
         ).one()
     billing.dispose()
-    matches = entries == distinct == orders and billed_cents == cents
+    matches: bool = entries == distinct == orders and billed_cents == cents
     print(
         f"  first run              applied {counter(first, 'outbox_inbox_processed_total')}, "
         f"skipped {counter(first, 'outbox_inbox_duplicates_total')} duplicates"
