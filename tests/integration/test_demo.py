@@ -28,14 +28,14 @@ def test_the_demo_relays_reconciles_and_bills_every_committed_order() -> None:
     name = f"pytest-demo-{os.getpid()}"
     output = stack_home() / f"{name}-reconciliation"
     command = [sys.executable, "examples/demo.py", "--orders", str(ORDERS), "--stack", name]
-    run_dir = stack_home() / "run" / name
+    stack = LocalStack.named(name)
     try:
         run = subprocess.run(
             command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
         )
-        left_behind = run_dir.exists()
+        left_behind = stack.run_dir.exists()
     finally:
-        LocalStack.named(name).down()  # stopped already unless the demo was cut short
+        stack.down()  # stopped already unless the demo was cut short
         shutil.rmtree(output, ignore_errors=True)
     report = run.stdout
     assert run.returncode == 0, report[-3000:] + run.stderr[-3000:]
