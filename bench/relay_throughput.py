@@ -51,6 +51,7 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench import plots
 from bench.stack import bench_stack, machine, percentile
 from outbox import Message, Outbox, migrate
 from outbox.devstack import LocalStack
@@ -615,6 +616,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         default=True,
         help="also run at-least-once x1 on a three-node Kafka cluster (replication 3)",
     )
+    parser.add_argument(
+        "--plot", type=Path, metavar="DIR", help="draw the figures as PNG files in DIR (matplotlib)"
+    )
     args = parser.parse_args(argv)
     n = args.n
     log = Path(".stack") / "bench-relay.log"
@@ -798,6 +802,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f"ms, p99 {bare99:.1f} ms; relay p99 / bare p99 {p99 / max(bare99, 0.001):.2f}"
         )
     print(json.dumps(figures))
+    if args.plot:
+        for path in plots.relay_plots(figures, args.plot):
+            print(f"plot: {path}")
     return figures
 
 

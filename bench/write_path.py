@@ -31,11 +31,12 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import orjson
 import sqlalchemy as sa
 
-from bench import write_pgbench
+from bench import plots, write_pgbench
 from bench.stack import bench_stack, machine, percentile
 from bench.write_concurrency import measure_concurrent
 from outbox import Message, Outbox, migrate
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per case per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per writer count")
+    parser.add_argument(
+        "--plot", type=Path, metavar="DIR", help="draw the figures as PNG files in DIR (matplotlib)"
+    )
     args = parser.parse_args(argv)
     writer_counts = [int(w) for w in args.writers.split(",") if w.strip()]
 
@@ -265,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     print_concurrent(database_side, python_side, labels)
     print(json.dumps(figures))
+    if args.plot:
+        for path in plots.write_plots(figures, args.plot):
+            print(f"plot: {path}")
     return figures
 
 
