@@ -293,10 +293,29 @@ def _dead_store(database_url: str, schema: str, table: str) -> Iterator[tuple[An
 @TABLE
 @click.option("--topic", default=None)
 @click.option("--limit", default=50, show_default=True)
-def dead_list(database_url: str, schema: str, table: str, topic: str | None, limit: int) -> None:
-    """List dead messages, newest first."""
+@click.option(
+    "--by-reason",
+    is_flag=True,
+    help="Group them by cause (error class + message with numbers, ids, hex and quoted "
+    "values left out): one line per FINGERPRINT, with counts and first/last written.",
+)
+def dead_list(
+    database_url: str, schema: str, table: str, topic: str | None, limit: int, by_reason: bool
+) -> None:
+    """List dead messages, newest first (or grouped by cause, the largest group first)."""
 
     def run(engine: Any, queries: Any) -> None:
+        if by_reason:
+            from outbox.failed_rows import dead_rows
+            from outbox.fingerprints import format_groups, group_by_reason
+
+            with engine.connect() as conn:
+                groups = group_by_reason(dead_rows(conn, queries, topic))
+            for line in format_groups(groups[:limit], seen="written"):
+                click.echo(line)
+            total = sum(group.count for group in groups)
+            click.echo(f"{total} dead message(s), {len(groups)} cause(s)")
+            return
         with engine.connect() as conn:
             rows = conn.execute(queries["list_dead"], {"topic": topic, "limit": limit}).all()
         for row in rows:
@@ -335,6 +354,12 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
 
 def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
     @message_selection("Only this topic's dead messages.", "Every dead message.")
+    @click.option(
+        "--reason",
+        default=None,
+        metavar="FINGERPRINT",
+        help="Only the dead messages of this cause (a FINGERPRINT of `dead list --by-reason`).",
+    )
     def command(
         database_url: str,
         schema: str,
@@ -342,13 +367,21 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
         topic: str | None,
         everything: bool,
         message_ids: tuple[object, ...],
+        reason: str | None,
     ) -> None:
-        if not (message_ids or topic or everything):
-            raise click.UsageError("name message ids, or pass --topic or --all")
+        if not (message_ids or topic or everything or reason):
+            raise click.UsageError("name message ids, or pass --topic, --reason or --all")
+        if reason is not None and (message_ids or everything):
+            raise click.UsageError("--reason picks the messages: give no ids and no --all")
 
         def run(engine: Any, queries: Any) -> int:
             with engine.begin() as conn:
-                params = {"ids": list(message_ids) or None, "topic": topic}
+                ids = list(message_ids) or None
+                if reason is not None:
+                    ids = _dead_of_reason(conn, queries, reason, topic)
+                    if not ids:
+                        return 0
+                params = {"ids": ids, "topic": topic}
                 return int(conn.execute(queries[query], params).rowcount)
 
         with _dead_store(database_url, schema, table) as (engine, queries):
@@ -356,6 +389,16 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
         click.echo(f"{verb} {count} dead message(s)")
 
     return command
+
+
+def _dead_of_reason(conn: Any, queries: Any, reason: str, topic: str | None) -> list[Any]:
+    """The ids of the dead messages whose cause ``reason`` names (of ``topic``, if given);
+    none when no dead message has that cause any more."""
+    from outbox.failed_rows import dead_rows
+    from outbox.fingerprints import group_by_reason, pick_group
+
+    group = pick_group(group_by_reason(dead_rows(conn, queries, topic)), reason)
+    return group.ids if group is not None else []
 
 
 dead.command("retry", help="Put dead messages back to pending, with a fresh attempt count.")(

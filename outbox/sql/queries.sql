@@ -314,6 +314,14 @@ UPDATE {table}
    AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
    AND (CAST(:topic AS text) IS NULL OR topic = :topic);
 
+-- name: dead_errors
+-- Every dead row's error, to group them by cause (outbox.fingerprints), optionally one
+-- topic's. Rows check-back left dead ('unresolved') are listed too; retry_dead skips them.
+SELECT id, topic, error_kind, last_error, created_at
+  FROM {table}
+ WHERE status = 'dead'
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic);
+
 -- name: purge_dead
 -- Delete dead rows (all, one topic, or the given ids).
 DELETE FROM {table}
