@@ -1,6 +1,7 @@
 """The ``outbox`` command line.
 
-The library's own commands (``db``, ``purge``, ``dead``) live here. The others live with the
+The library's own commands (``db``, ``purge``, ``dead``, ``status``, ``topics``) live here
+(their logic in modules of their own). The others live with the
 package they run and load only when named: ``relay`` (:mod:`outbox.relay.cli`), ``reconcile``
 (:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`),
 ``checkback`` and ``prepared`` (:mod:`outbox.prepared.cli`), and from a source checkout
@@ -270,6 +271,64 @@ def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
         f"Use --older-than {hours}h or more, or pass --ignore-audit-window if no audit "
         "will read them"
     )
+
+
+@main.command()
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Count sent, dead and rolled-back rows per topic exactly: one scan of the whole table "
+    "(without it they are estimates from the planner's statistics, for the whole table).",
+)
+@click.option(
+    "--inbox-schema",
+    envvar="OUTBOX_INBOX_SCHEMA",
+    show_envvar=True,
+    default="public",
+    show_default=True,
+    help="Schema of the inbox tables whose parked rows to count, if they are in this database.",
+)
+@click.option(
+    "--inbox-table",
+    envvar="OUTBOX_INBOX_TABLE",
+    show_envvar=True,
+    default="inbox",
+    show_default=True,
+    help="Name of the inbox table (parked rows: <name>_parked).",
+)
+def status(
+    database_url: str,
+    schema: str,
+    table: str,
+    as_json: bool,
+    exact: bool,
+    inbox_schema: str,
+    inbox_table: str,
+) -> None:
+    """Where every message stands: counts per topic and status, the oldest pending message,
+    the relays and the shards each owns, prepared messages waiting, parked inbox rows.
+
+    Cheap on a large table: pending and prepared rows are read through their partial
+    indexes, the other statuses estimated unless --exact is given.
+    """
+    from outbox.queries import Queries
+    from outbox.status import read_status
+    from outbox.status_report import to_json, to_text
+
+    queries = Queries(table_spec(schema, table))
+    with database_engine(database_url) as engine:
+        report = run_db_step(
+            lambda: read_status(engine, queries, exact=exact, inbox=(inbox_schema, inbox_table))
+        )
+    if as_json:
+        click.echo(to_json(report))
+    else:
+        for line in to_text(report):
+            click.echo(line)
 
 
 @main.group()
