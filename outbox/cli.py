@@ -1,13 +1,13 @@
 """The ``outbox`` command line.
 
-The library's own commands (``db``, ``purge``, ``dead``, ``status``, ``topics``) live here
-(their logic in modules of their own). The others live with the
-package they run and load only when named: ``relay`` (:mod:`outbox.relay.cli`), ``reconcile``
-(:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`),
-``checkback`` and ``prepared`` (:mod:`outbox.prepared.cli`), and from a source checkout
-``dev`` (:mod:`outbox.devstack.cli`) and ``chaos`` (:mod:`outbox.chaos.cli`). So
-``outbox --help`` loads neither librdkafka nor PySpark, and a command whose package is not
-installed says so in one line.
+The library's own commands (``db``, ``purge``, ``dead``, ``status``) live here, their longer
+logic in modules of their own. The others load only when named: ``topics``
+(:mod:`outbox.topics_cli`), and those that live with the package they run: ``relay``
+(:mod:`outbox.relay.cli`), ``reconcile`` (:mod:`outbox.spark_jobs.cli`), ``consume`` and
+``inbox`` (:mod:`outbox.inbox.cli`), ``checkback`` and ``prepared``
+(:mod:`outbox.prepared.cli`), and from a source checkout ``dev`` (:mod:`outbox.devstack.cli`)
+and ``chaos`` (:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor
+PySpark, and a command whose package is not installed says so in one line.
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ LAZY_COMMANDS = {
         "outbox.prepared.cli",
         "prepared",
         "Inspect prepared messages; commit or roll back those waiting for a verdict.",
+    ),
+    "topics": LazyCommand(
+        "outbox.topics_cli",
+        "topics",
+        "Create, describe and check the topics the outbox publishes to.",
     ),
     "dev": LazyCommand(
         "outbox.devstack.cli",

@@ -557,3 +557,13 @@ SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr,
                                      :shard_space)
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
  ORDER BY a.backend_start, l.pid;
+
+-- name: topics_in_use
+-- The topics `outbox topics check` must find: those of rows still to be sent (pending, through
+-- the pending index; prepared, through the prepared index) and of the latest :recent rows
+-- written (a backward walk of the primary key: UUIDv7 ids sort by creation time).
+SELECT topic FROM {table} WHERE status = 'pending'
+UNION
+SELECT topic FROM {table} WHERE status = 'prepared'
+UNION
+SELECT topic FROM (SELECT topic FROM {table} ORDER BY id DESC LIMIT :recent) AS latest;
