@@ -34,7 +34,7 @@ RECENT_ROWS = 10_000
 FILE = click.option(
     "--file",
     "topics_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False, path_type=Path),
     envvar="OUTBOX_TOPICS_FILE",
     show_envvar=True,
     help="A declared-topics file (TOML: [defaults] and one [topics.NAME] per topic; "

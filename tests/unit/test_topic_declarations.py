@@ -3,6 +3,7 @@ cluster cannot meet refused before anything is created."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,19 @@ def test_a_file_declares_topics_under_its_defaults(tmp_path: Path) -> None:
 def test_a_bad_file_says_what_is_wrong(tmp_path: Path, text: str, error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         read_topics_file(write(tmp_path, text))
+
+
+def test_the_file_docs_topics_md_shows_reads_as_it_says(tmp_path: Path) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "topics.md").read_text()
+    [block] = re.findall(r"```toml\n(.*?)```", docs, re.DOTALL)
+    declared = {t.name: t for t in read_topics_file(write(tmp_path, block))}
+    assert sorted(declared) == ["audit", "orders", "payments"]
+    assert declared["orders"].partitions == 24 and declared["orders"].retention == "7d"
+    assert declared["payments"].retention == "30d"
+    assert declared["payments"].config == {"compression.type": "lz4"}
+    assert declared["audit"].resolved(brokers=3).partitions == 12
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_topics_file(tmp_path / "nope.toml")
