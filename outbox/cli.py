@@ -1,12 +1,13 @@
 """The ``outbox`` command line.
 
-The library's own commands (``db``, ``purge``, ``dead``) live here. The others live with the
-package they run and load only when named: ``relay`` (:mod:`outbox.relay.cli`), ``reconcile``
-(:mod:`outbox.spark_jobs.cli`), ``consume`` and ``inbox`` (:mod:`outbox.inbox.cli`),
-``checkback`` and ``prepared`` (:mod:`outbox.prepared.cli`), and from a source checkout
-``dev`` (:mod:`outbox.devstack.cli`) and ``chaos`` (:mod:`outbox.chaos.cli`). So
-``outbox --help`` loads neither librdkafka nor PySpark, and a command whose package is not
-installed says so in one line.
+The library's own commands (``db``, ``purge``, ``dead``, ``status``) live here, their longer
+logic in modules of their own. The others load only when named: ``topics``
+(:mod:`outbox.topics_cli`), and those that live with the package they run: ``relay``
+(:mod:`outbox.relay.cli`), ``reconcile`` (:mod:`outbox.spark_jobs.cli`), ``consume`` and
+``inbox`` (:mod:`outbox.inbox.cli`), ``checkback`` and ``prepared``
+(:mod:`outbox.prepared.cli`), and from a source checkout ``dev`` (:mod:`outbox.devstack.cli`)
+and ``chaos`` (:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor
+PySpark, and a command whose package is not installed says so in one line.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ LAZY_COMMANDS = {
         "outbox.prepared.cli",
         "prepared",
         "Inspect prepared messages; commit or roll back those waiting for a verdict.",
+    ),
+    "topics": LazyCommand(
+        "outbox.topics_cli",
+        "topics",
+        "Create, describe and check the topics the outbox publishes to.",
     ),
     "dev": LazyCommand(
         "outbox.devstack.cli",
@@ -272,6 +278,64 @@ def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
     )
 
 
+@main.command()
+@DATABASE_URL
+@SCHEMA
+@TABLE
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Count sent, dead and rolled-back rows per topic exactly: one scan of the whole table "
+    "(without it they are estimates from the planner's statistics, for the whole table).",
+)
+@click.option(
+    "--inbox-schema",
+    envvar="OUTBOX_INBOX_SCHEMA",
+    show_envvar=True,
+    default="public",
+    show_default=True,
+    help="Schema of the inbox tables whose parked rows to count, if they are in this database.",
+)
+@click.option(
+    "--inbox-table",
+    envvar="OUTBOX_INBOX_TABLE",
+    show_envvar=True,
+    default="inbox",
+    show_default=True,
+    help="Name of the inbox table (parked rows: <name>_parked).",
+)
+def status(
+    database_url: str,
+    schema: str,
+    table: str,
+    as_json: bool,
+    exact: bool,
+    inbox_schema: str,
+    inbox_table: str,
+) -> None:
+    """Where every message stands: counts per topic and status, the oldest pending message,
+    the relays and the shards each owns, prepared messages waiting, parked inbox rows.
+
+    Cheap on a large table: pending and prepared rows are read through their partial
+    indexes, the other statuses estimated unless --exact is given.
+    """
+    from outbox.queries import Queries
+    from outbox.status import read_status
+    from outbox.status_report import to_json, to_text
+
+    queries = Queries(table_spec(schema, table))
+    with database_engine(database_url) as engine:
+        report = run_db_step(
+            lambda: read_status(engine, queries, exact=exact, inbox=(inbox_schema, inbox_table))
+        )
+    if as_json:
+        click.echo(to_json(report))
+    else:
+        for line in to_text(report):
+            click.echo(line)
+
+
 @main.group()
 def dead() -> None:
     """Inspect, retry and purge messages the relay gave up on."""
@@ -293,10 +357,29 @@ def _dead_store(database_url: str, schema: str, table: str) -> Iterator[tuple[An
 @TABLE
 @click.option("--topic", default=None)
 @click.option("--limit", default=50, show_default=True)
-def dead_list(database_url: str, schema: str, table: str, topic: str | None, limit: int) -> None:
-    """List dead messages, newest first."""
+@click.option(
+    "--by-reason",
+    is_flag=True,
+    help="Group them by cause (error class + message with numbers, ids, hex and quoted "
+    "values left out): one line per FINGERPRINT, with counts and first/last written.",
+)
+def dead_list(
+    database_url: str, schema: str, table: str, topic: str | None, limit: int, by_reason: bool
+) -> None:
+    """List dead messages, newest first (or grouped by cause, the largest group first)."""
 
     def run(engine: Any, queries: Any) -> None:
+        if by_reason:
+            from outbox.failed_rows import dead_rows
+            from outbox.fingerprints import format_groups, group_by_reason
+
+            with engine.connect() as conn:
+                groups = group_by_reason(dead_rows(conn, queries, topic))
+            for line in format_groups(groups[:limit], seen="written"):
+                click.echo(line)
+            total = sum(group.count for group in groups)
+            click.echo(f"{total} dead message(s), {len(groups)} cause(s)")
+            return
         with engine.connect() as conn:
             rows = conn.execute(queries["list_dead"], {"topic": topic, "limit": limit}).all()
         for row in rows:
@@ -335,6 +418,12 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
 
 def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
     @message_selection("Only this topic's dead messages.", "Every dead message.")
+    @click.option(
+        "--reason",
+        default=None,
+        metavar="FINGERPRINT",
+        help="Only the dead messages of this cause (a FINGERPRINT of `dead list --by-reason`).",
+    )
     def command(
         database_url: str,
         schema: str,
@@ -342,13 +431,21 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
         topic: str | None,
         everything: bool,
         message_ids: tuple[object, ...],
+        reason: str | None,
     ) -> None:
-        if not (message_ids or topic or everything):
-            raise click.UsageError("name message ids, or pass --topic or --all")
+        if not (message_ids or topic or everything or reason):
+            raise click.UsageError("name message ids, or pass --topic, --reason or --all")
+        if reason is not None and (message_ids or everything):
+            raise click.UsageError("--reason picks the messages: give no ids and no --all")
 
         def run(engine: Any, queries: Any) -> int:
             with engine.begin() as conn:
-                params = {"ids": list(message_ids) or None, "topic": topic}
+                ids = list(message_ids) or None
+                if reason is not None:
+                    ids = _dead_of_reason(conn, queries, reason, topic)
+                    if not ids:
+                        return 0
+                params = {"ids": ids, "topic": topic}
                 return int(conn.execute(queries[query], params).rowcount)
 
         with _dead_store(database_url, schema, table) as (engine, queries):
@@ -356,6 +453,16 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
         click.echo(f"{verb} {count} dead message(s)")
 
     return command
+
+
+def _dead_of_reason(conn: Any, queries: Any, reason: str, topic: str | None) -> list[Any]:
+    """The ids of the dead messages whose cause ``reason`` names (of ``topic``, if given);
+    none when no dead message has that cause any more."""
+    from outbox.failed_rows import dead_rows
+    from outbox.fingerprints import group_by_reason, pick_group
+
+    group = pick_group(group_by_reason(dead_rows(conn, queries, topic)), reason)
+    return group.ids if group is not None else []
 
 
 dead.command("retry", help="Put dead messages back to pending, with a fresh attempt count.")(

@@ -289,6 +289,12 @@ def parked() -> None:
 @click.option("--group", default=None, help="Only this consumer group's messages.")
 @click.option("--topic", default=None)
 @click.option("--limit", default=50, show_default=True)
+@click.option(
+    "--by-reason",
+    is_flag=True,
+    help="Group those waiting for an operator by cause (reason, exception class, message with "
+    "numbers, ids, hex and quoted values left out): one line per FINGERPRINT.",
+)
 def parked_list(
     database_url: str,
     inbox_schema: str,
@@ -296,8 +302,12 @@ def parked_list(
     group: str | None,
     topic: str | None,
     limit: int,
+    by_reason: bool,
 ) -> None:
-    """List parked messages, newest first."""
+    """List parked messages, newest first (or grouped by cause, the largest group first)."""
+    if by_reason:
+        _parked_by_reason(database_url, inbox_schema, inbox_table, group, topic, limit)
+        return
 
     def run(engine: Any, store: Any) -> None:
         with engine.connect() as conn:
@@ -347,6 +357,12 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
     @click.option("--topic", default=None, help="Only this topic's messages.")
     @click.option("--all", "everything", is_flag=True, help="Every parked message.")
     @click.argument("parked_ids", nargs=-1, type=int)
+    @click.option(
+        "--reason",
+        default=None,
+        metavar="FINGERPRINT",
+        help="Only the parked messages of this cause (a FINGERPRINT of `list --by-reason`).",
+    )
     def command(
         database_url: str,
         inbox_schema: str,
@@ -355,19 +371,63 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
         topic: str | None,
         everything: bool,
         parked_ids: tuple[int, ...],
+        reason: str | None,
     ) -> None:
-        if not (parked_ids or group or topic or everything):
-            raise click.UsageError("name parked ids, or pass --group, --topic or --all")
+        if not (parked_ids or group or topic or everything or reason):
+            raise click.UsageError("name parked ids, or pass --group, --topic, --reason or --all")
+        if reason is not None and (parked_ids or everything):
+            raise click.UsageError("--reason picks the messages: give no ids and no --all")
 
         def run(engine: Any, store: Any) -> int:
             with engine.begin() as conn:
-                return int(getattr(store, method)(conn, list(parked_ids) or None, group, topic))
+                ids: list[int] | None = list(parked_ids) or None
+                if reason is not None:
+                    ids = _parked_of_reason(conn, store.spec, reason, group, topic)
+                    if not ids:
+                        return 0
+                return int(getattr(store, method)(conn, ids, group, topic))
 
         with _store(database_url, inbox_schema, inbox_table) as (engine, store):
             count = run_db_step(lambda: run(engine, store))
         click.echo(f"{verb} {count} parked message(s)")
 
     return command
+
+
+def _parked_by_reason(
+    database_url: str,
+    inbox_schema: str,
+    inbox_table: str,
+    group: str | None,
+    topic: str | None,
+    limit: int,
+) -> None:
+    """``parked list --by-reason``: the parked messages waiting for an operator, by cause."""
+    from outbox.failed_rows import parked_rows
+    from outbox.fingerprints import format_groups, group_by_reason
+
+    def run(engine: Any, store: Any) -> None:
+        with engine.connect() as conn:
+            groups = group_by_reason(parked_rows(conn, store.spec, group, topic))
+        for line in format_groups(groups[:limit], seen="parked"):
+            click.echo(line)
+        total = sum(g.count for g in groups)
+        click.echo(f"{total} parked message(s) waiting, {len(groups)} cause(s)")
+
+    with _store(database_url, inbox_schema, inbox_table) as (engine, store):
+        run_db_step(lambda: run(engine, store))
+
+
+def _parked_of_reason(
+    conn: Any, spec: Any, reason: str, group: str | None, topic: str | None
+) -> list[int]:
+    """The ids of the parked messages (waiting for an operator) whose cause ``reason``
+    names; none when no parked message has that cause any more."""
+    from outbox.failed_rows import parked_rows
+    from outbox.fingerprints import group_by_reason, pick_group
+
+    found = pick_group(group_by_reason(parked_rows(conn, spec, group, topic)), reason)
+    return [int(i) for i in found.ids] if found is not None else []
 
 
 parked.command(

@@ -314,6 +314,14 @@ UPDATE {table}
    AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
    AND (CAST(:topic AS text) IS NULL OR topic = :topic);
 
+-- name: dead_errors
+-- Every dead row's error, to group them by cause (outbox.fingerprints), optionally one
+-- topic's. Rows check-back left dead ('unresolved') are listed too; retry_dead skips them.
+SELECT id, topic, error_kind, last_error, created_at
+  FROM {table}
+ WHERE status = 'dead'
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic);
+
 -- name: purge_dead
 -- Delete dead rows (all, one topic, or the given ids).
 DELETE FROM {table}
@@ -484,3 +492,78 @@ SELECT id, topic, key, check_group, status, prepared_at, check_count, last_check
    AND (CAST(:check_group AS text) IS NULL OR check_group = :check_group)
  ORDER BY prepared_at, id
  LIMIT :limit;
+
+-- Operators' view (`outbox status`, outbox/status.py). Each of these reads little however many
+-- sent rows the table holds: pending and prepared rows through their partial indexes, the
+-- other statuses from the planner's statistics (status_by_topic, one scan, only on request).
+-- docs/operations.md shows their plans on a table of a million sent rows.
+
+-- name: status_pending
+-- Pending rows per topic (through the pending index): how many, how many are backing off
+-- before a retry, and the age in seconds of the oldest.
+SELECT topic, count(*) AS pending,
+       count(*) FILTER (WHERE next_attempt_at > now()) AS backing_off,
+       extract(epoch FROM now() - min(created_at)) AS oldest
+  FROM {table}
+ WHERE status = 'pending'
+ GROUP BY topic;
+
+-- name: status_prepared
+-- Prepared messages waiting for a verdict, per topic and checker (through the prepared
+-- index): how many, and the age in seconds of the oldest.
+SELECT topic, check_group, count(*) AS prepared,
+       extract(epoch FROM now() - min(prepared_at)) AS oldest
+  FROM {table}
+ WHERE status = 'prepared'
+ GROUP BY topic, check_group;
+
+-- name: status_estimates
+-- Rows per status as the planner estimates them, without reading the table: the table's size
+-- now (its pages, times the rows per page of the last ANALYZE or VACUUM) times each status's
+-- share in ANALYZE's sample. No rows before the table was first analyzed; a status too rare
+-- to be in the sample (a few dead rows among millions) is missing.
+SELECT v.status,
+       round(c.reltuples / c.relpages
+             * (pg_relation_size(c.oid) / current_setting('block_size')::integer)
+             * v.share) AS estimate
+  FROM pg_class AS c
+ CROSS JOIN LATERAL (
+       SELECT unnest(CAST(CAST(s.most_common_vals AS text) AS text[])) AS status,
+              unnest(s.most_common_freqs) AS share
+         FROM pg_stats AS s
+        WHERE s.schemaname = :schema AND s.tablename = :table_name
+          AND s.attname = 'status') AS v
+ WHERE c.oid = to_regclass(:qualified_name) AND c.reltuples >= 0 AND c.relpages > 0;
+
+-- name: status_by_topic
+-- Exact counts per topic and status: one scan of the whole table (`outbox status --exact`).
+SELECT topic, status, count(*) AS n
+  FROM {table}
+ GROUP BY topic, status;
+
+-- name: status_relays
+-- The relays connected to this table, from the advisory locks they hold on their owner
+-- session (outbox/relay/ownership.py): its session lock (:session_space, one per relay), its
+-- member lock (:member_space, while it takes part in sharing the shards), its serving lock
+-- (:serving_space, while its last take-over or batch worked) and one lock per shard it owns
+-- (:shard_space, the shard number). Reading pg_locks briefly takes every lock-manager
+-- partition's lock: fine for an operator's command, not for a loop.
+SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr,
+       a.backend_start, CAST(l.classid AS bigint) AS space, CAST(l.objid AS bigint) AS number
+  FROM pg_locks AS l
+  LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.mode = 'ExclusiveLock'
+   AND CAST(l.classid AS bigint) IN (:session_space, :member_space, :serving_space,
+                                     :shard_space)
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ ORDER BY a.backend_start, l.pid;
+
+-- name: topics_in_use
+-- The topics `outbox topics check` must find: those of rows still to be sent (pending, through
+-- the pending index; prepared, through the prepared index) and of the latest :recent rows
+-- written (a backward walk of the primary key: UUIDv7 ids sort by creation time).
+SELECT topic FROM {table} WHERE status = 'pending'
+UNION
+SELECT topic FROM {table} WHERE status = 'prepared'
+UNION
+SELECT topic FROM (SELECT topic FROM {table} ORDER BY id DESC LIMIT :recent) AS latest;

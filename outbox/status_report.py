@@ -1,0 +1,152 @@
+"""``outbox status`` as a table for a person or as JSON for a script."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+
+import orjson
+
+from outbox.schema import PENDING, PREPARED
+from outbox.status import OutboxStatus
+
+
+def to_json(status: OutboxStatus) -> str:
+    """The whole status as one JSON object (times in ISO 8601, ages in seconds)."""
+    data = dataclasses.asdict(status)
+    data["oldest_pending_seconds"] = status.oldest_pending_seconds
+    data["estimates_from"] = (
+        None if status.exact else "the planner's statistics (last ANALYZE); --exact counts"
+    )
+    return orjson.dumps(data, option=orjson.OPT_INDENT_2, default=str).decode()
+
+
+def age(seconds: float | None) -> str:
+    """``3.2s``, ``4m05s``, ``2h13m``, ``3d04h``; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def shard_ranges(shards: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``; ``none`` for an empty list."""
+    if not shards:
+        return "none"
+    parts: list[str] = []
+    start = previous = shards[0]
+    for shard in [*shards[1:], None]:
+        if shard is not None and shard == previous + 1:
+            previous = shard
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if shard is not None:
+            start = previous = shard
+    return ",".join(parts)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned first column, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(r)
+        ).rstrip()
+        for r in [header, *rows]
+    ]
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def to_text(status: OutboxStatus) -> list[str]:
+    """The status as lines for a terminal."""
+    taken = status.taken_at.astimezone(UTC) if isinstance(status.taken_at, datetime) else None
+    lines = [f"outbox {status.table} at {taken:%Y-%m-%d %H:%M:%S} UTC", ""]
+
+    counts = []
+    for name, count in status.statuses.items():
+        shown = "?" if count.count is None else f"{'~' if count.estimate else ''}{count.count:,}"
+        counts.append(f"{name} {shown}")
+    lines.append("messages: " + ", ".join(counts))
+    if not status.exact:
+        lines.append(
+            "  pending and prepared: exact; ~: estimated from the planner's statistics (a status"
+            " too rare for ANALYZE's sample reads ~0); ?: not analyzed yet; --exact: one scan"
+        )
+    lines.append(f"oldest pending: {age(status.oldest_pending_seconds)}")
+    lines.append("")
+
+    header = ["TOPIC", "PENDING", "BACKING OFF", "OLDEST PENDING", "PREPARED", "OLDEST PREPARED"]
+    if status.exact:
+        header += ["SENT", "DEAD", "ROLLED BACK"]
+    rows = []
+    for t in status.topics:
+        row = [
+            t.topic,
+            _count(t.pending),
+            _count(t.backing_off),
+            age(t.oldest_pending_seconds),
+            _count(t.prepared),
+            age(t.oldest_prepared_seconds),
+        ]
+        if status.exact:
+            row += [_count(t.sent), _count(t.dead), _count(t.rolled_back)]
+        rows.append(row)
+    if rows:
+        lines += _table(header, rows)
+    else:
+        lines.append(
+            f"no {PENDING} or {PREPARED} messages"
+            + ("" if status.exact else " (per-topic counts of the other statuses: --exact)")
+        )
+    lines.append("")
+
+    lines.append(f"relays: {len(status.relays)} connected")
+    relay_rows = [
+        [
+            r.name,
+            str(r.pid),
+            r.client_addr or "local",
+            r.connected_since.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+            if r.connected_since
+            else "-",
+            "serving" if r.serving else ("member" if r.member else "not a member"),
+            shard_ranges(r.shards),
+        ]
+        for r in status.relays
+    ]
+    if relay_rows:
+        lines += _table(["RELAY", "PID", "FROM", "SINCE (UTC)", "STATE", "SHARDS"], relay_rows)
+    unowned = shard_ranges(status.unowned_shards)
+    lines.append(f"unowned shards: {unowned} (of {status.shard_count})")
+
+    if status.prepared_groups:
+        lines += ["", "prepared messages waiting for a verdict:"]
+        lines += _table(
+            ["CHECK GROUP", "WAITING", "OLDEST"],
+            [
+                [g.check_group, _count(g.count), age(g.oldest_seconds)]
+                for g in status.prepared_groups
+            ],
+        )
+    if status.inbox_table is not None:
+        lines += ["", f"parked inbox messages ({status.inbox_table}):"]
+        if status.parked:
+            lines += _table(
+                ["GROUP", "TOPIC", "STATUS", "COUNT", "OLDEST"],
+                [
+                    [p.consumer_group, p.topic, p.status, _count(p.count), age(p.oldest_seconds)]
+                    for p in status.parked
+                ],
+            )
+        else:
+            lines.append("none")
+    return lines
