@@ -28,7 +28,19 @@ class InvalidHeaders(InvalidMessage):
 
 
 class SerializationError(InvalidMessage):
-    """The serializer could not turn the value into bytes."""
+    """The serializer could not turn the value into bytes.
+
+    ``path`` says where in the value the trouble is (``value['lines'][2]``), when known.
+    """
+
+    def __init__(self, text: str, *, path: str | None = None) -> None:
+        super().__init__(text)
+        self.path = path
+
+
+class LossyConversion(SerializationError):
+    """The value holds something JSON would change without a word: a ``set``, a dict key that
+    is not a ``str``, NaN or infinity, a naive ``datetime``. ``path`` names where it is."""
 
 
 class PayloadTooLarge(InvalidMessage):

@@ -12,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import decimal
+import enum
 import math
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import orjson
 
-from outbox.errors import SerializationError
+from outbox.errors import LossyConversion, SerializationError
 
 
 @runtime_checkable
@@ -41,12 +43,18 @@ class JsonSerializer:
     JSON is written with ``orjson`` (UTF-8, compact), which also handles datetimes, UUIDs and
     enums. ``str`` values are written as UTF-8 text, not as a JSON string.
 
-    Three rules keep a consumer from reading something other than what was published:
+    Nothing is changed without a word: what JSON cannot hold as it is raises
+    :class:`~outbox.errors.LossyConversion` naming where it sits (``value['tags']``):
 
-    - ``Decimal`` becomes a JSON *string* (``"9.50"``): exact, scale kept, and the same as
-      pydantic writes it; a JSON number would be read back as a binary float by most parsers.
-    - NaN and infinities (float or Decimal) are refused: JSON has no spelling for them.
-    - A naive ``datetime`` (no ``tzinfo``) is refused: its zone would be lost.
+    - a ``set`` or ``frozenset`` (JSON has arrays, not sets; pass a list, e.g. ``sorted(...)``);
+    - a dict key that is not a ``str`` (``{1: "a"}`` would be read back as ``{"1": "a"}``);
+    - NaN and infinities (float or Decimal): JSON has no spelling for them;
+    - a naive ``datetime`` (no ``tzinfo``): its zone would be lost.
+
+    ``Decimal`` becomes a JSON *string* (``"9.50"``): exact, scale kept, and the same as
+    pydantic writes it; a JSON number would be read back as a binary float by most parsers.
+    Every other refusal (an unknown type, an integer beyond 64 bits) is a
+    :class:`~outbox.errors.SerializationError` that names the path too.
 
     ``default`` is called with any value of a type the serializer does not know and must
     return something it does (a ``str``, a ``dict``, ...) or raise ``TypeError``; see
@@ -77,23 +85,36 @@ class JsonSerializer:
         try:
             encoded = orjson.dumps(value, default=self._fallback, option=_OPTIONS)
         except (TypeError, orjson.JSONEncodeError) as exc:
-            reason = exc.__cause__ if isinstance(exc.__cause__, TypeError) else exc  # ours
-            raise SerializationError(
-                f"cannot serialize {type(value).__name__} to JSON: {reason}"
-            ) from exc
+            encoded = self._after_refusal(value, exc)
         # orjson writes NaN and infinities as null; only then is the value walked for them.
         if b"null" in encoded:
-            where = _non_finite_float(value, "value")
-            if where is not None:
-                raise SerializationError(
-                    f"cannot serialize {where}: NaN and infinity have no JSON form"
-                )
+            problem = find_problem(value, self._fallback)
+            if isinstance(problem, LossyConversion):
+                raise problem
         return encoded
+
+    def _after_refusal(self, value: Any, exc: Exception) -> bytes:
+        """orjson refused ``value``: the error naming where and why, or the bytes when all it
+        refused were keys that are ``str`` subclasses (a ``StrEnum``), whose text is the key."""
+        problem = find_problem(value, self._fallback)
+        if problem is not None:
+            raise problem from exc
+        if str(exc) == "Dict key must be str":
+            try:
+                return orjson.dumps(
+                    value, default=self._fallback, option=_OPTIONS | orjson.OPT_NON_STR_KEYS
+                )
+            except (TypeError, orjson.JSONEncodeError) as again:
+                exc = again
+        reason = exc.__cause__ if isinstance(exc.__cause__, TypeError) else exc  # ours
+        raise SerializationError(
+            f"cannot serialize value ({type(value).__name__}) to JSON: {reason}", path=ROOT
+        ) from exc
 
     def _fallback(self, value: Any) -> Any:
         if isinstance(value, dt.datetime):  # reaches here through OPT_PASSTHROUGH_DATETIME
             if value.tzinfo is None or value.utcoffset() is None:
-                raise TypeError(
+                raise _WouldLose(
                     f"naive datetime {value.isoformat()} has no time zone; "
                     "give it a tzinfo (e.g. datetime.UTC)"
                 )
@@ -102,12 +123,15 @@ class JsonSerializer:
             return value.isoformat()
         if isinstance(value, decimal.Decimal):
             if not value.is_finite():
-                raise TypeError(f"Decimal {value} has no JSON form")
+                raise _WouldLose(f"Decimal {value} has no JSON form")
             return str(value)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return dataclasses.asdict(value)
         if isinstance(value, set | frozenset):
-            return sorted(value, key=repr)
+            raise _WouldLose(
+                f"a {type(value).__name__} has no JSON form (an array would lose that it is "
+                "one, in no fixed order): pass a list, e.g. sorted(...)"
+            )
         if hasattr(value, "model_dump"):
             return value.model_dump(mode="json")
         if self._default is not None:
@@ -118,30 +142,99 @@ class JsonSerializer:
         )
 
 
-# Datetimes go through the fallback, which refuses naive ones; dataclasses too, so the
-# walk for NaN below sees the same fields orjson wrote.
-_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATETIME
+class _WouldLose(TypeError):
+    """Raised by the fallback for a value JSON would change: becomes LossyConversion."""
 
 
-def _non_finite_float(value: Any, path: str) -> str | None:
-    """Where in ``value`` a NaN or infinite float sits (``value["a"][2]``), or None."""
+# Datetimes go through the fallback, which refuses naive ones. Dict keys must be str (no
+# OPT_NON_STR_KEYS): {1: "a"} would come back as {"1": "a"}.
+_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME
+
+#: How paths into a value start: ``value['lines'][2].price``.
+ROOT = "value"
+
+# orjson's integer range: a signed or an unsigned 64-bit integer.
+_INT_RANGE = range(-(2**63), 2**64)
+
+
+def find_problem(
+    value: Any, fallback: Callable[[Any], Any], path: str = ROOT, depth: int = 0
+) -> SerializationError | None:
+    """The first thing in ``value`` that JSON cannot hold as it is, as the error to raise.
+
+    Walks the value as orjson does (dataclass fields not starting with ``_``, enums by their
+    value, other types through ``fallback``); called only after orjson refused a value or wrote
+    a null, so the fast path stays orjson's.
+    """
+    if depth > 200:  # a cycle or a value nested deeper than orjson would go
+        return None
+    if value is None or isinstance(value, bool | uuid.UUID | orjson.Fragment):
+        return None
+    if isinstance(value, enum.Enum):
+        return find_problem(value.value, fallback, path, depth + 1)
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            return SerializationError(f"cannot serialize {path}: {exc.reason}", path=path)
+        return None
+    if isinstance(value, int):
+        if value in _INT_RANGE:
+            return None
+        return SerializationError(
+            f"cannot serialize {path} = {value}: JSON integers are limited to 64 bits here; "
+            "send it as a str",
+            path=path,
+        )
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path} = {value}"
+        if math.isfinite(value):
+            return None
+        return LossyConversion(
+            f"cannot serialize {path} = {value}: NaN and infinity have no JSON form", path=path
+        )
     if isinstance(value, dict):
-        for name, item in value.items():
-            found = _non_finite_float(item, f"{path}[{name!r}]")
-            if found:
-                return found
-    elif isinstance(value, list | tuple):
+        return _problem_in_dict(value, fallback, path, depth)
+    if isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            found = _non_finite_float(item, f"{path}[{index}]")
+            found = find_problem(item, fallback, f"{path}[{index}]", depth + 1)
             if found:
                 return found
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item in dataclasses.fields(value):
-            found = _non_finite_float(getattr(value, item.name), f"{path}.{item.name}")
+            if item.name.startswith("_"):  # orjson leaves these out
+                continue
+            found = find_problem(
+                getattr(value, item.name), fallback, f"{path}.{item.name}", depth + 1
+            )
             if found:
                 return found
+        return None
+    try:
+        converted = fallback(value)
+    except _WouldLose as exc:
+        return LossyConversion(f"cannot serialize {path}: {exc}", path=path)
+    except (TypeError, ValueError) as exc:
+        return SerializationError(f"cannot serialize {path}: {exc}", path=path)
+    if converted is value:
+        return None
+    return find_problem(converted, fallback, path, depth + 1)
+
+
+def _problem_in_dict(
+    value: dict[Any, Any], fallback: Callable[[Any], Any], path: str, depth: int
+) -> SerializationError | None:
+    for key, item in value.items():
+        if not isinstance(key, str):
+            return LossyConversion(
+                f"cannot serialize {path}: its key {key!r} is a {type(key).__name__}, and JSON "
+                f"keys are strings (it would be read back as {str(key)!r}); convert the keys "
+                "to str yourself",
+                path=path,
+            )
+        found = find_problem(item, fallback, f"{path}[{key!r}]", depth + 1)
+        if found:
+            return found
     return None
 
 

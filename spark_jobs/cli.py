@@ -7,15 +7,11 @@ runs, so the rest of the ``outbox`` CLI, ``show`` and ``list`` work without it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
@@ -32,23 +28,16 @@ from outbox.redaction import mask_secrets as redact
 from outbox.schema import OutboxTableSpec
 
 # Plain Python: PySpark loads only when the job runs.
-from outbox.spark_jobs import runs
+from outbox.spark_jobs import delivery, runs
 from outbox.spark_jobs.classes import CLASSES
 from outbox.spark_jobs.jars import SPARK_PACKAGES
+from outbox.spark_jobs.launch import JobError
+
+# Re-exported: chaos and spark-submit users run the job through the CLI module.
+from outbox.spark_jobs.launch import SparkSetup as SparkSetup
+from outbox.spark_jobs.launch import run_on_spark as run_on_spark
 from outbox.spark_jobs.window import AuditWindow, parse_window
 from outbox.validation import validate_identifier
-
-if TYPE_CHECKING:
-    from outbox.spark_jobs.reconcile import ReconcileConfig
-    from outbox.spark_jobs.report import RunSummary
-
-#: Exit status when the job could not run (bad option, unreachable service); 1 means "found
-#: discrepancies over their limits", 0 "within limits".
-EXIT_ERROR = 2
-
-
-class JobError(click.ClickException):
-    exit_code = EXIT_ERROR
 
 
 def _duration(value: str, option: str) -> timedelta:
@@ -105,14 +94,15 @@ def _check_database(database_url: str, spec: OutboxTableSpec) -> None:
         engine.dispose()
 
 
-def _check_kafka(bootstrap_servers: str) -> None:
+def _check_kafka(bootstrap_servers: str) -> set[str]:
+    """Fail in one line when Kafka is out of reach; the names of the topics it has."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
     # log_level 0: the client's own connection-refused lines would bury the one error line.
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 0})
     try:
-        admin.list_topics(timeout=15)
+        return set(admin.list_topics(timeout=15).topics)
     except KafkaException as exc:
         raise JobError(f"cannot reach Kafka at {bootstrap_servers}: {exc.args[0].str()}") from None
 
@@ -173,7 +163,26 @@ OUTPUT = click.option(
     "limits",
     multiple=True,
     metavar="CLASS=COUNT",
-    help="Allow up to COUNT discrepancies of CLASS before failing (repeatable; default 0).",
+    help="Allow up to COUNT discrepancies of CLASS before failing (repeatable) [default: 0, "
+    "and no limit for duplicates after at-least-once relaying, see --delivery].",
+)
+@click.option(
+    "--delivery",
+    "delivery_choice",
+    type=click.Choice(delivery.CHOICES),
+    default="auto",
+    show_default=True,
+    help="How the relays sent the table's messages. at-least-once: duplicates are counted but "
+    "not limited by default; exactly-once: their limit is 0. auto: exactly-once when the "
+    "exactly-once relay's progress topic exists, else at-least-once (unknown, and limit 0, "
+    "when the topics cannot be listed).",
+)
+@click.option(
+    "--progress-topic",
+    envvar="OUTBOX_RELAY_PROGRESS_TOPIC",
+    show_envvar=True,
+    help="The exactly-once relay's progress topic, when its relays were given one "
+    "[default: outbox-progress.SCHEMA.TABLE].",
 )
 @click.option("--stuck-after", default="1h", show_default=True, help="SLA for pending/dead rows.")
 @click.option("--late-after", default="5m", show_default=True, help="SLA from commit to send.")
@@ -189,7 +198,11 @@ OUTPUT = click.option(
     envvar="OUTBOX_SPARK_MASTER",
     help="Spark master [default: local[*], or spark-submit's when run under it].",
 )
-@click.option("--driver-memory", default="4g", show_default=True, help="Local mode only.")
+@click.option(
+    "--driver-memory",
+    help="Local mode only [default: sized from the window: 1g per 12 hours, 1g to 4g; 2g for "
+    "a day].",
+)
 @click.option(
     "--jars",
     "jars",
@@ -240,13 +253,15 @@ def reconcile(
     archive_format: str,
     output: str,
     limits: tuple[str, ...],
+    delivery_choice: str,
+    progress_topic: str | None,
     stuck_after: str,
     late_after: str,
     repair: bool,
     repair_despite_skew: bool,
     runs_table: str | None,
     master: str | None,
-    driver_memory: str,
+    driver_memory: str | None,
     jars: tuple[str, ...],
     packages: tuple[str, ...],
     spark_conf: tuple[str, ...],
@@ -307,11 +322,18 @@ def reconcile(
     except (OutboxError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     _check_database(database_url, spec)
+    existing_topics = None
     if source == "kafka" and not config.kafka_options:
         # Settings given with -X are for Spark's (Java) Kafka client; without them a plain
         # connection is checked here, so an unreachable broker fails fast and in one line.
         assert bootstrap_servers is not None
-        _check_kafka(bootstrap_servers)
+        existing_topics = _check_kafka(bootstrap_servers)
+    found = delivery.decide(
+        delivery_choice, progress_topic or delivery.progress_topic_of(spec), existing_topics
+    )
+    config = replace(
+        config, delivery=found, limits=parse_thresholds(limits, delivery.default_limits(found))
+    )
 
     click.echo(f"run {run_id}: writing to {config.output}", err=True)
     summary = run_on_spark(config, spark_setup)
@@ -401,82 +423,3 @@ def list_(output: str, limit: int, as_json: bool) -> None:
 def _split(values: tuple[str, ...]) -> tuple[str, ...]:
     """Repeated options and comma-separated lists, as spark-submit takes them, into one list."""
     return tuple(part.strip() for value in values for part in value.split(",") if part.strip())
-
-
-@dataclass(frozen=True)
-class SparkSetup:
-    """Where and how the job's Spark session runs: the master and what its JVMs need."""
-
-    #: ``local[*]``, ``spark://host:7077``, ``yarn``, ``k8s://...``; None: spark-submit's.
-    master: str | None = None
-    driver_memory: str = "4g"
-    #: Local jar paths and Maven coordinates; with neither, see :func:`default_jars`.
-    jars: tuple[str, ...] = ()
-    packages: tuple[str, ...] = ()
-    #: Spark settings given with --conf, applied last.
-    conf: Mapping[str, str] = field(default_factory=dict)
-
-
-def default_jars() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(jars, packages) when none are given: the local stack's jars in a source checkout
-    (resolved once from Maven Central, so runs need no network), else the pinned packages."""
-    if importlib.util.find_spec("outbox.devstack") is None:  # an installed wheel
-        return (), SPARK_PACKAGES
-    from outbox.devstack import StackError, spark_jars
-
-    try:
-        return tuple(str(jar) for jar in spark_jars()), ()
-    except StackError as exc:  # Maven missing or offline: say so in one line
-        raise JobError(f"cannot resolve the local stack's Spark jars: {exc}") from None
-
-
-def run_on_spark(config: ReconcileConfig, setup: SparkSetup | None = None) -> RunSummary:
-    """Run the job on a session made for it and stop it; Spark's own failures become a
-    one-line :class:`JobError`.
-
-    Every master gets the jars: under spark-submit they come from its own --jars/--packages
-    (the driver's JVM is running by then); otherwise from ``setup`` or :func:`default_jars`.
-    """
-    from outbox.spark_jobs.reconcile import run
-    from outbox.spark_jobs.session import build_session
-
-    setup = setup or SparkSetup()
-    master = setup.master
-    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit launched this driver
-    if master is None and not under_submit:
-        master = "local[*]"
-    jars, packages = setup.jars, setup.packages
-    if not (jars or packages or under_submit):
-        jars, packages = default_jars()
-    # The job reports its own progress, line by line; Spark's bar redraws one line.
-    conf = {"spark.ui.showConsoleProgress": "false"}
-    if master and master.startswith("local"):
-        conf["spark.driver.memory"] = setup.driver_memory
-    conf.update(setup.conf)
-    try:
-        spark = build_session(
-            "outbox-reconcile", master=master, jars=jars, packages=packages, extra_conf=conf
-        )
-    except Exception as exc:  # a missing JVM surfaces as several exception types
-        raise JobError(f"cannot start Spark: {str(exc).strip().splitlines()[0]}") from None
-    spark.sparkContext.setLogLevel("WARN")
-    try:
-        return run(spark, config)
-    except Exception as exc:
-        from py4j.protocol import Py4JJavaError
-        from pyspark.errors import PySparkException
-
-        if isinstance(exc, PySparkException | Py4JJavaError):
-            raise JobError(f"the job failed: {_first_line(exc)}") from None
-        raise
-    finally:
-        spark.stop()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith(("An error occurred", "JVM stacktrace")):
-            return line[:500]
-    return text[:500]

@@ -21,6 +21,7 @@ from pyspark.sql import functions as F
 
 from outbox.schema import OutboxTableSpec
 from outbox.spark_jobs import discrepancies as d
+from outbox.spark_jobs.delivery import Delivery
 from outbox.spark_jobs.jdbc import jdbc_options
 from outbox.spark_jobs.progress import Progress
 from outbox.spark_jobs.repair import requeue_missing
@@ -55,7 +56,10 @@ class ReconcileConfig:
     archive_format: str = "parquet"
     stuck_after: timedelta = timedelta(hours=1)
     late_after: timedelta = timedelta(minutes=5)
-    limits: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(d.CLASSES, 0))
+    #: The largest count each class may reach; None: no limit (see ``delivery.default_limits``).
+    limits: Mapping[str, int | None] = field(default_factory=lambda: dict.fromkeys(d.CLASSES, 0))
+    #: The delivery mode ``limits`` were chosen for, reported in the summary.
+    delivery: Delivery | None = None
     repair: bool = False
     #: Repair even when the clocks disagree by more than half the grace (see ``skew_beyond``).
     repair_despite_skew: bool = False
@@ -136,10 +140,8 @@ def run(
     try:
         # Messages of the window sent after its read ends (late ones, or ones a repair put
         # back) are judged too: the topic side is read up to their sending, never past now.
-        latest = latest_sent(engine, config.spec, window)
-        if latest is not None and latest + window.grace > window.read_until:
-            window = window.reading_records_until(min(as_of, latest + window.grace))
-            config = replace(config, window=window)
+        window = window.as_read_at(as_of, latest_sent(engine, config.spec, window))
+        config = replace(config, window=window)
         rules = d.AuditRules(window, as_of, config.stuck_after, config.late_after)
         topics = list(config.topics)
         without_rows: list[str] = []
@@ -221,6 +223,7 @@ def run(
         run_dir=config.output,
         started_at=as_of,
         table=config.spec.qualified_name,
+        delivery=config.delivery,
         clock_skew=skew,
         clock_seconds={
             name: None if scanned.get(name) is None else round(float(scanned[name]), 3)

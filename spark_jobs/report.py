@@ -10,13 +10,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from outbox.spark_jobs.classes import CLASSES
+from outbox.spark_jobs.classes import CLASSES, DUPLICATE
+from outbox.spark_jobs.delivery import Delivery
 from outbox.spark_jobs.window import AuditWindow
 
 
-def parse_thresholds(items: Iterable[str]) -> dict[str, int]:
-    """``["duplicate=10", "late=100"]`` -> the largest count each class may reach (default 0)."""
-    limits = dict.fromkeys(CLASSES, 0)
+def parse_thresholds(
+    items: Iterable[str], defaults: Mapping[str, int | None] | None = None
+) -> dict[str, int | None]:
+    """``["duplicate=10", "late=100"]`` -> the largest count each class may reach.
+
+    The rest keep ``defaults`` (0 for every class when not given); None means no limit.
+    """
+    limits: dict[str, int | None] = dict(defaults or dict.fromkeys(CLASSES, 0))
     for item in items:
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
@@ -44,7 +50,8 @@ class RunSummary:
     outbox_rows: int
     topic_records: int
     counts: Mapping[tuple[str, str], int]
-    limits: Mapping[str, int]
+    #: The largest count each class may reach; None: no limit (still counted and shown).
+    limits: Mapping[str, int | None]
     seconds: float
     output: str
     repaired: int | None = None
@@ -64,6 +71,8 @@ class RunSummary:
     started_at: datetime | None = None
     #: The outbox table audited, ``schema.table``.
     table: str = ""
+    #: The delivery mode the default limits were chosen for (see ``delivery.decide``).
+    delivery: Delivery | None = None
 
     def per_class(self) -> dict[str, int]:
         totals = dict.fromkeys(CLASSES, 0)
@@ -77,13 +86,18 @@ class RunSummary:
             by_topic.setdefault(topic, {})[name] = count
         return by_topic
 
+    def limit(self, name: str) -> int | None:
+        """The largest count class ``name`` may reach (None: no limit)."""
+        return self.limits.get(name, 0)
+
     def breaches(self) -> dict[str, tuple[int, int]]:
         """Classes over their limit: ``{class: (count, limit)}``."""
-        return {
-            name: (count, self.limits.get(name, 0))
-            for name, count in self.per_class().items()
-            if count > self.limits.get(name, 0)
-        }
+        over = {}
+        for name, count in self.per_class().items():
+            limit = self.limit(name)
+            if limit is not None and count > limit:
+                over[name] = (count, limit)
+        return over
 
     @property
     def passed(self) -> bool:
@@ -103,6 +117,7 @@ class RunSummary:
             "run_dir": self.run_dir,
             "started_at": self.started_at.isoformat() if self.started_at else None,
             "table": self.table,
+            "delivery": self.delivery.to_json() if self.delivery else None,
             "window": {
                 "start": self.window.start.isoformat(),
                 "end": self.window.end.isoformat(),
@@ -139,13 +154,16 @@ def render(summary: RunSummary) -> str:
         f"  outbox rows    {summary.outbox_rows:,}",
         f"  topic records  {summary.topic_records:,}",
         f"  run time       {summary.seconds:.1f}s",
+        *_delivery(summary),
         "",
         f"  {'class':<18}{'count':>10}{'limit':>8}",
     ]
     breaches = summary.breaches()
     for name, count in summary.per_class().items():
         flag = "  FAIL" if name in breaches else ""
-        lines.append(f"  {name:<18}{count:>10,}{summary.limits.get(name, 0):>8,}{flag}")
+        limit = summary.limit(name)
+        shown = "-" if limit is None else f"{limit:,}"
+        lines.append(f"  {name:<18}{count:>10,}{shown:>8}{flag}")
     by_topic = summary.per_topic()
     if by_topic:
         lines.append("")
@@ -194,3 +212,13 @@ def _topics(summary: RunSummary, shown: int = 6) -> str:
             f"earlier runs did: {', '.join(summary.topics_without_rows[:shown])}"
         )
     return text
+
+
+def _delivery(summary: RunSummary) -> list[str]:
+    """The delivery line: the mode assumed, how the run knows, what it means for duplicates."""
+    if summary.delivery is None:
+        return []
+    line = f"  delivery       {summary.delivery.mode} ({summary.delivery.reason})"
+    if summary.limit(DUPLICATE) is None:
+        line += "; duplicates are counted, not limited (--max duplicate=N limits them)"
+    return [line]

@@ -34,6 +34,8 @@ class AuditWindow:
     #: How far the topic side is read, when further than ``read_until`` (see
     #: :meth:`reading_records_until`); the outbox side is always read by id up to ``read_until``.
     records_until: datetime | None = None
+    #: The run's start: the topic side is never read past it (see :meth:`as_read_at`).
+    read_cap: datetime | None = None
 
     def __post_init__(self) -> None:
         for name in ("start", "end"):
@@ -66,8 +68,27 @@ class AuditWindow:
 
     @property
     def records_read_until(self) -> datetime:
-        """Where the topic side's read ends: records with a timestamp before this are read."""
-        return max(self.read_until, self.records_until or self.read_until)
+        """Where the topic side's read ends: records with a timestamp before this are read.
+
+        Never past ``read_cap``, the run's start: a window that ends later (``--date today``)
+        is read up to then.
+        """
+        until = max(self.read_until, self.records_until or self.read_until)
+        return min(until, self.read_cap) if self.read_cap else until
+
+    def as_read_at(self, as_of: datetime, latest_sent: datetime | None) -> AuditWindow:
+        """This window as a run that starts at ``as_of`` reads it.
+
+        The topic side goes on past the grace up to ``latest_sent`` (when the last message of
+        the window was marked sent) plus the grace, so late and requeued messages are judged,
+        and it stops at ``as_of`` whatever the window says.
+        """
+        if as_of.tzinfo is None:
+            as_of = as_of.replace(tzinfo=UTC)
+        window = replace(self, read_cap=as_of)
+        if latest_sent is not None and latest_sent + self.grace > self.read_until:
+            window = window.reading_records_until(latest_sent + self.grace)
+        return window
 
     def reading_records_until(self, moment: datetime) -> AuditWindow:
         """This window, with the topic side read up to ``moment`` (when that is later).
@@ -106,7 +127,7 @@ class AuditWindow:
 
     def describe(self) -> str:
         text = f"{self.start.isoformat()} .. {self.end.isoformat()} (grace {self.grace})"
-        if self.records_read_until > self.read_until:
+        if self.records_read_until != self.read_until:
             text += f"; records read until {self.records_read_until.isoformat()}"
         return text
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -104,6 +105,10 @@ unserializable = st.one_of(
     st.builds(lambda: {"when": object()}),
     st.builds(lambda: [1, 2, object()]),
     st.builds(lambda: {"n": 2**70}),
+    # What JSON would change without a word is refused, not converted.
+    st.frozensets(st.integers(), max_size=3).map(lambda tags: {"tags": set(tags)}),
+    st.dictionaries(st.integers(), st.text(max_size=5), min_size=1, max_size=3),
+    st.builds(lambda: {"at": datetime(2026, 1, 2)}),
 )
 oversized = st.integers(min_value=LIMIT + 1, max_value=3 * LIMIT).map(lambda n: b"x" * n)
 

@@ -65,6 +65,10 @@ def test_runs_keep_their_evidence_show_their_ids_and_remember_purged_topics(
 
     code, first, report = audit(outbox_url, bootstrap_servers, base, "--date", "today")
     assert code == 0 and first["verdict"] == "pass" and first["outbox_rows"] == 20
+    # Today's window ends at midnight tonight; the topics are read up to the run's start only.
+    read_until = datetime.fromisoformat(first["records_read_until"])
+    assert read_until == datetime.fromisoformat(first["started_at"])
+    assert f"records read until {first['records_read_until']}" in report
     assert first["topics"] == [topic] and first["topics_without_rows"] == []
     today = f"{datetime.now(UTC):%Y-%m-%d}"
     assert first["run_id"].startswith(f"{today}/") and first["run_dir"] == str(

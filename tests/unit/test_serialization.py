@@ -1,6 +1,7 @@
 import dataclasses
 import datetime as dt
 import decimal
+import enum
 import math
 import re
 import uuid
@@ -9,7 +10,8 @@ import orjson
 import pydantic
 import pytest
 
-from outbox.errors import SerializationError
+from outbox.errors import LossyConversion, SerializationError
+from outbox.message import Message, encode_message
 from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
 
 
@@ -126,3 +128,120 @@ def test_default_hook_encodes_the_callers_own_types() -> None:
         json.serialize(object())
     with pytest.raises(SerializationError, match="default="):
         JsonSerializer().serialize(Money(1, "EUR"))
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 1
+
+
+@dataclasses.dataclass
+class Tagged:
+    name: str
+    tags: set[str]
+
+
+@dataclasses.dataclass
+class WithPrivate:
+    shown: int
+    _cache: float
+
+
+@pytest.mark.parametrize(
+    ("value", "path", "what"),
+    [
+        ({"tags": {"b", "a"}}, "value['tags']", "a set has no JSON form"),
+        ([1, frozenset({2})], "value[1]", "a frozenset has no JSON form"),
+        (Tagged("x", {"a"}), "value.tags", "pass a list"),
+        ({"by_id": {1: "a"}}, "value['by_id']", "its key 1 is a int"),
+        ({uuid.UUID(int=7): 1}, "value", "is a UUID"),
+        ({"n": {(1, 2): "pair"}}, "value['n']", "is a tuple"),
+        ({True: "yes"}, "value", "is a bool"),
+        ({Level.HIGH: "h"}, "value", "is a Level"),
+        ({"at": dt.datetime(2026, 1, 2, 3, 4, 5)}, "value['at']", "naive datetime"),
+        ({"a": [float("nan")]}, "value['a'][0]", "NaN and infinity have no JSON form"),
+    ],
+)
+def test_what_json_would_change_is_refused_naming_where(
+    value: object, path: str, what: str
+) -> None:
+    with pytest.raises(LossyConversion) as caught:
+        JsonSerializer().serialize(value)
+    assert caught.value.path == path
+    assert str(caught.value).startswith(f"cannot serialize {path}")
+    assert what in str(caught.value)
+
+
+def test_a_set_is_not_written_as_a_sorted_list() -> None:
+    """Before, {"tags": {"b", "a"}} became {"tags": ["a", "b"]} without a word."""
+    with pytest.raises(LossyConversion, match=re.escape("value['tags']")):
+        JsonSerializer().serialize({"tags": {"b", "a"}})
+    assert JsonSerializer().serialize({"tags": sorted({"b", "a"})}) == b'{"tags":["a","b"]}'
+
+
+def test_non_string_keys_are_not_turned_into_strings() -> None:
+    """Before, {1: "a"} became {"1": "a"}: read back, the key is another type."""
+    with pytest.raises(LossyConversion, match="read back as '1'"):
+        JsonSerializer().serialize({1: "a"})
+
+
+def test_keys_that_are_str_subclasses_keep_their_text() -> None:
+    assert JsonSerializer().serialize({Colour.RED: 1, "plain": {Colour.RED: 2}}) == (
+        b'{"red":1,"plain":{"red":2}}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "path", "what"),
+    [
+        ({"when": object()}, "value['when']", "not JSON serializable: object"),
+        ([1, {"raw": b"x"}], "value[1]['raw']", "not JSON serializable: bytes"),
+        ({"n": 2**70}, "value['n']", "limited to 64 bits"),
+        (Reading(1.0), None, None),  # a control: this one is fine
+        ({"s": "a\ud800"}, "value['s']", "surrogates not allowed"),
+        ([PlacedModel(order_id=1, amount=decimal.Decimal(1)), object()], "value[1]", "object"),
+    ],
+)
+def test_every_other_refusal_names_its_path_too(
+    value: object, path: str | None, what: str | None
+) -> None:
+    if path is None:
+        assert JsonSerializer().serialize(value) == b'{"level":1.0}'
+        return
+    with pytest.raises(SerializationError) as caught:
+        JsonSerializer().serialize(value)
+    assert not isinstance(caught.value, LossyConversion)
+    assert caught.value.path == path
+    assert str(caught.value).startswith(f"cannot serialize {path}")
+    assert what is not None and what in str(caught.value)
+
+
+def test_the_default_hooks_output_is_held_to_the_same_rules() -> None:
+    """A hook that returns NaN or a set gets the same refusal, at the hooked value's path."""
+
+    def encode(value: object) -> object:
+        if isinstance(value, Money):
+            return {"cents": float("nan") if value.cents < 0 else value.cents, "tags": {"x"}}
+        raise TypeError(f"cannot encode {type(value).__name__}")
+
+    json = JsonSerializer(default=encode)
+    with pytest.raises(LossyConversion, match=re.escape("value['price']['cents'] = nan")):
+        json.serialize({"price": Money(-1, "EUR")})
+    with pytest.raises(LossyConversion, match=re.escape("value['price']['tags']")):
+        json.serialize({"price": Money(1, "EUR")})
+    with pytest.raises(SerializationError, match=re.escape("value['x']: cannot encode object")):
+        json.serialize({"x": object()})
+
+
+def test_private_dataclass_fields_are_left_out_as_documented() -> None:
+    assert JsonSerializer().serialize(WithPrivate(1, math.nan)) == b'{"shown":1}'
+
+
+def test_publish_refuses_the_value_before_anything_is_written() -> None:
+    message = Message(topic="orders", value={"lines": [{"sku": "a", "tags": {"gift"}}]})
+    with pytest.raises(LossyConversion) as caught:
+        encode_message(message, JsonSerializer(), 1_000_000)
+    assert caught.value.path == "value['lines'][0]['tags']"
