@@ -158,7 +158,11 @@ def test_the_build_warns_of_nothing(built: Built) -> None:
 def test_the_sdist_carries_the_examples_the_docs_and_the_changelog(built: Built) -> None:
     with tarfile.open(built.sdist) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
-    examples = {str(p.relative_to(ROOT)) for p in (ROOT / "examples").rglob("*.py")}
+    examples = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "examples").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     docs = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
     assert examples and examples <= names, sorted(examples - names)
     assert docs and docs <= names, sorted(docs - names)
