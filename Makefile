@@ -13,6 +13,7 @@ help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
 	@echo "make test   lint, type-check and run every test against the real servers"
 	@echo "make up / make down / make status   the long-running local stack ('dev')"
+	@echo "make dist   build the sdist and the wheel into dist/ (DIST_DIR=...)"
 	@echo "make bench-write   write-path benchmark (BENCH_ARGS='--n 10000')"
 	@echo "make bench-relay   relay benchmark (BENCH_ARGS='--n 100000' for a quick run)"
 	@echo "make bench-reconcile   reconciliation benchmark (BENCH_ARGS='--sizes 100000,300000')"
@@ -61,6 +62,13 @@ bench-table-health: setup
 
 bench-consume: setup
 	$(BIN)/python -m bench.consume $(BENCH_ARGS)
+
+# The sdist, and the wheel built from it, as a release is (PEP 517, isolated). The sdist also
+# carries examples/, docs/ and CHANGELOG.md (MANIFEST.in).
+DIST_DIR ?= dist
+.PHONY: dist
+dist: $(INSTALLED)
+	$(BIN)/python -m build --outdir $(DIST_DIR) .
 
 chaos: setup
 	$(BIN)/outbox chaos $(CHAOS_ARGS)

@@ -8,6 +8,7 @@ rows to Kafka. The usual entry points::
     ob = outbox.Outbox("postgresql+psycopg://app:pw@db/shop")
     with ob.transaction() as tx:
         tx.session.add(order)
+        tx.session.flush()  # a generated order.id is None until the INSERT runs
         tx.publish("orders", {"id": order.id, "total": order.total}, key=order.id)
 
     # or inside a transaction you already have (Session or Connection, sync or async):
@@ -39,7 +40,7 @@ from outbox.errors import (
     PermissionDenied,
     SerializationError,
 )
-from outbox.message import ID_HEADER, Message, PublishResult
+from outbox.message import ID_HEADER, NO_KEY, Message, NoKey, PublishResult
 from outbox.publisher import AsyncOutboxTransaction, Outbox, OutboxTransaction
 from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
 
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ID_HEADER",
+    "NO_KEY",
     "AsyncOutboxTransaction",
     "BytesSerializer",
     "ConfigError",
@@ -62,6 +64,7 @@ __all__ = [
     "JsonSerializer",
     "LossyConversion",
     "Message",
+    "NoKey",
     "NotInTransaction",
     "NotPrepared",
     "Outbox",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-from outbox.errors import InvalidMessage, PayloadTooLarge, SerializationError
+from outbox.errors import InvalidKey, InvalidMessage, PayloadTooLarge, SerializationError
 from outbox.ids import uuid7
 from outbox.schema import shard_of
 from outbox.serialization import Serializer, content_type_of
@@ -25,13 +26,25 @@ ID_HEADER = "outbox-id"
 CONTENT_TYPE_HEADER = "content-type"
 
 
+class NoKey(enum.Enum):
+    """The type of :data:`NO_KEY`."""
+
+    NO_KEY = "NO_KEY"
+
+
+#: "This message has no key", said on purpose: the default of ``key``. An explicit
+#: ``key=None`` is refused, because it is most often an id the database has not generated yet
+#: (an ORM object not flushed), which would otherwise publish a key-less message silently.
+NO_KEY: Final = NoKey.NO_KEY
+
+
 @dataclass(frozen=True)
 class Message:
     """One message to publish; see :meth:`outbox.Outbox.publish` for the fields."""
 
     topic: str
     value: Any = None
-    key: KeyLike = None
+    key: KeyLike | NoKey = NO_KEY
     headers: HeadersLike = None
     idempotency_key: str | None = None
 
@@ -57,6 +70,16 @@ class EncodedMessage:
     idempotency_key: str | None
 
 
+def _given_key(key: KeyLike, topic: str) -> KeyLike:
+    if key is None:
+        raise InvalidKey(
+            f"key is None for a message to {topic!r}: an id the database generates is None "
+            "until the session is flushed (`session.flush()` before publishing); for a message "
+            "without a key, leave `key` out or pass `key=outbox.NO_KEY`"
+        )
+    return key
+
+
 def encode_message(
     message: Message,
     serializer: Serializer,
@@ -69,7 +92,7 @@ def encode_message(
     headers, except those the message sets itself.
     """
     topic = validate_topic(message.topic)
-    key = encode_key(message.key)
+    key = None if message.key is NO_KEY else encode_key(_given_key(message.key, topic))
     headers = encode_headers(message.headers)
     if trace_headers:
         given = {name for name, _ in headers}

@@ -23,7 +23,14 @@ from outbox.errors import (
     OutboxTableMissing,
     PermissionDenied,
 )
-from outbox.message import EncodedMessage, Message, PublishResult, encode_message
+from outbox.message import (
+    NO_KEY,
+    EncodedMessage,
+    Message,
+    NoKey,
+    PublishResult,
+    encode_message,
+)
 from outbox.schema import OutboxTableSpec
 from outbox.serialization import JsonSerializer, Serializer
 from outbox.tracing import current_trace_headers
@@ -47,6 +54,7 @@ class Outbox:
     >>> ob = Outbox("postgresql+psycopg://app@localhost/shop")      # doctest: +SKIP
     >>> with ob.transaction() as tx:                                 # doctest: +SKIP
     ...     tx.session.add(order)
+    ...     tx.session.flush()  # a generated order.id is None until the INSERT runs
     ...     tx.publish("orders", {"id": order.id}, key=order.id)
 
     ``bind`` (an Engine or a URL) is needed only by :meth:`transaction` and
@@ -138,14 +146,17 @@ class Outbox:
         topic: str,
         value: Any = None,
         *,
-        key: KeyLike = None,
+        key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
     ) -> PublishResult:
         """Add one message to ``bind``'s current transaction.
 
         ``value`` goes through the serializer (JSON by default; bytes pass through). ``key`` is
-        bytes, str, int or UUID. ``headers`` is a mapping or a list of ``(name, bytes | str)``
+        bytes, str, int or UUID; leave it out (or pass :data:`outbox.NO_KEY`) for a message
+        without one. ``key=None`` is refused with :class:`~outbox.errors.InvalidKey`: it is
+        most often an id the database has not generated yet (flush the session first).
+        ``headers`` is a mapping or a list of ``(name, bytes | str)``
         pairs. With ``idempotency_key``, a second publish of the same key writes nothing and
         returns the first message's id with ``duplicate=True``.
 
@@ -185,7 +196,7 @@ class Outbox:
         topic: str,
         value: Any = None,
         *,
-        key: KeyLike = None,
+        key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
     ) -> PublishResult:

@@ -7,11 +7,12 @@ debit that comes after the publish, or any other exception) rolls back the order
 message: no event is ever sent for an order that was not saved. A request that fails
 validation never opens a transaction.
 
-Run it from a checkout of this repository (the outbox table must exist: ``outbox db
-upgrade``)::
+Run it from a checkout of this repository; its tables and the outbox table come from one
+Alembic history (``alembic.ini`` beside this file, docs/guide-existing-service.md)::
 
     pip install ".[examples]"
     export OUTBOX_DATABASE_URL=postgresql+psycopg://app:pw@db/shop
+    alembic -c examples/fastapi_service/alembic.ini upgrade heads
     uvicorn examples.fastapi_service.app:app --port 8000
     outbox relay    # next to it: publishes the messages to Kafka
 
@@ -20,8 +21,8 @@ upgrade``)::
     curl -s localhost:8000/orders -H 'content-type: application/json' \
         -d '{"customer_id": 1, "lines": [{"sku": "SKU-1", "quantity": 2, "unit_price": "9.90"}]}'
 
-``ORDERS_TOPIC`` names the topic (default ``orders``). The tables of the example are created
-at start-up; a real service creates them with its migrations.
+``ORDERS_TOPIC`` names the topic (default ``orders``). examples/fastapi_service/fulfilment.py
+is a second service that consumes the messages through an inbox.
 """
 
 from __future__ import annotations
@@ -33,38 +34,16 @@ from contextlib import asynccontextmanager
 from decimal import Decimal
 from typing import Annotated
 
-import sqlalchemy as sa
 from fastapi import FastAPI, HTTPException, status
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import outbox
+from examples.fastapi_service.models import Customer, Order
 
 ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "orders")
 
 #: The module-level outbox: reads OUTBOX_DATABASE_URL, makes its AsyncEngine on first use.
 ob = outbox.Outbox()
-
-
-# -- tables ------------------------------------------------------------------------------------
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Customer(Base):
-    __tablename__ = "customers"
-    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
-    credit: Mapped[Decimal] = mapped_column(sa.Numeric(12, 2))
-
-
-class Order(Base):
-    __tablename__ = "orders"
-    id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
-    customer_id: Mapped[int] = mapped_column(sa.ForeignKey("customers.id"))
-    total: Mapped[Decimal] = mapped_column(sa.Numeric(12, 2))
-    lines: Mapped[int]
 
 
 # -- requests and responses ----------------------------------------------------------------------
@@ -106,8 +85,6 @@ class InsufficientCredit(Exception):
 
 @asynccontextmanager
 async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-    async with ob.async_engine.begin() as conn:
-        await conn.run_sync(Base.metadata.create_all)
     yield
     await ob.async_engine.dispose()
 

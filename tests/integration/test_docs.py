@@ -33,6 +33,7 @@ import ast
 import asyncio
 import gc
 import inspect
+import json
 import os
 import re
 import shlex
@@ -483,3 +484,57 @@ def test_doc_block(block: Block, doc_runs: dict[Path, DocRun]) -> None:
                 run.failed = before.name
             raise
         run.done.add(before.line)
+
+
+# -- the README's quickstart, as it stands ---------------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def quickstart_blocks() -> list[Block]:
+    """The python blocks of the README's "## Quickstart" section, in order."""
+    lines = README.read_text().splitlines()
+    start = lines.index("## Quickstart") + 1
+    end = next(n for n in range(start, len(lines)) if lines[n].startswith("## ")) + 1
+    blocks = [b for b in BLOCKS if b.path == README and start < b.line < end]
+    assert blocks and all(b.lang == "python" and not b.skip and not b.setups for b in blocks)
+    return blocks
+
+
+@pytest.fixture
+def quickstart_run(outbox_url: str) -> Iterator[DocRun]:
+    """A namespace and a database of the quickstart's own, as a new user would start."""
+    run = DocRun(outbox_url, "kafka-unused:9092")
+    yield run
+    run.close()
+
+
+def test_the_quickstart_publishes_the_ids_the_database_generated(
+    quickstart_run: DocRun, engine: sa.Engine
+) -> None:
+    for block in quickstart_blocks():
+        quickstart_run.run(block)
+    with engine.connect() as conn:
+        orders = set(conn.execute(sa.text("SELECT id FROM orders")).scalars())
+        rows = conn.execute(sa.text("SELECT key, value FROM outbox ORDER BY seq")).all()
+    assert len(orders) == len(rows) == 2
+    for key, value in rows:
+        order_id = json.loads(value)["order_id"]
+        assert isinstance(order_id, int) and order_id in orders, value
+        assert key == str(order_id).encode()
+
+
+def test_the_quickstart_without_its_flush_fails_loudly_and_writes_nothing(
+    quickstart_run: DocRun, engine: sa.Engine
+) -> None:
+    import outbox
+
+    first = quickstart_blocks()[0]
+    flush = "    tx.session.flush()"
+    assert flush in first.code
+    unflushed = "\n".join(line for line in first.code.splitlines() if not line.startswith(flush))
+    with pytest.raises(outbox.InvalidKey, match="flush"):
+        quickstart_run.run(Block(first.path, first.line, "python", unflushed + "\n"))
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM orders")).scalar() == 0
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar() == 0

@@ -1,5 +1,6 @@
 """examples/fastapi_service served by uvicorn, driven over real HTTP: concurrent orders end up
-as rows and as messages on the topic, each once; refused requests leave neither."""
+as rows and as messages on the topic, each once; refused requests leave neither. The database
+is made by the example's own Alembic history (its tables and the outbox's)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "examples.fastapi_service.app:app"
+ALEMBIC_INI = ROOT / "examples" / "fastapi_service" / "alembic.ini"
 
 
 @contextmanager
@@ -68,6 +70,18 @@ def serving(database_url: str, topic: str, log: Path) -> Iterator[str]:
         assert "Application shutdown complete" in log.read_text()
 
 
+def migrate(database_url: str) -> None:
+    """`alembic -c examples/fastapi_service/alembic.ini upgrade heads`, as the guide says."""
+    subprocess.run(
+        [str(Path(sys.executable).parent / "alembic"), "-c", str(ALEMBIC_INI), "upgrade", "heads"],
+        cwd=ROOT,
+        env={**os.environ, "OUTBOX_DATABASE_URL": database_url},
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
 def line(sku: str = "SKU-1", quantity: int = 1, unit_price: str = "12.50") -> dict[str, Any]:
     return {"sku": sku, "quantity": quantity, "unit_price": unit_price}
 
@@ -85,9 +99,23 @@ def create_customer(base: str, credit: str) -> int:
     return int(response.json()["customer_id"])
 
 
+@pytest.fixture
+def service_url(database_url: str) -> str:
+    migrate(database_url)
+    return database_url
+
+
+@pytest.fixture
+def service_engine(service_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(service_url)
+    yield engine
+    engine.dispose()
+
+
 def test_concurrent_orders_reach_the_topic_once_and_refused_ones_never(
-    engine, outbox_url, bootstrap_servers, make_topic, tmp_path
+    service_engine, service_url, bootstrap_servers, make_topic, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
+    engine, outbox_url = service_engine, service_url
     topic = make_topic("orders", partitions=3)
     with serving(outbox_url, topic, tmp_path / "uvicorn.log") as base:
         rich = [create_customer(base, "1000.00") for _ in range(4)]

@@ -1,19 +1,25 @@
-"""The sdist and the wheel, installed as a user would, without the dev extras.
+"""The sdist and the wheel as `make dist` builds them, installed as a user would, without the
+dev extras, and the checkout installed as the README says (`pip install .`).
 
-Each artifact goes into a clean virtualenv of its own (its runtime dependencies come from the
-package index; pip's cache makes that quick). The checks: the commands start, the public API
-imports, the distribution installs one top-level name (`outbox`, plus its dist-info), the
-development tooling (`outbox.devstack`, `outbox.chaos`) is not in it, and `import outbox`
-loads neither the Kafka client nor the Prometheus client.
+Each goes into a clean virtualenv of its own (its runtime dependencies come from the package
+index; pip's cache makes that quick). The checks: the build warns of nothing; the sdist
+carries the examples, the docs and the changelog, and the README names the files that
+`make dist` makes; the commands start, the public API imports, the distribution installs one
+top-level name (`outbox`, plus its dist-info), the development tooling (`outbox.devstack`,
+`outbox.chaos`) is not in it, and `import outbox` loads neither the Kafka client nor the
+Prometheus client; the changelog has an upgrade note for every schema revision.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
-import sys
+import tarfile
 import venv
+import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,22 +47,36 @@ print(json.dumps({"loaded_by_import": loaded_by_import, "public": public, "sende
 """
 
 
+@dataclass(frozen=True)
+class Built:
+    sdist: Path
+    wheel: Path
+    output: str  # what the build printed
+
+
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The sdist, and the wheel built from it (as `python -m build` does by default)."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """`make dist`: the sdist, and the wheel built from it."""
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
-        check=True,
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "dist", f"DIST_DIR={out}"],
         capture_output=True,
+        text=True,
         timeout=600,
     )
+    assert result.returncode == 0, result.stdout + result.stderr
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
-    return {"sdist": sdist, "wheel": wheel}
+    return Built(sdist, wheel, result.stdout + result.stderr)
 
 
-@pytest.fixture(scope="module", params=["wheel", "sdist"])
+@pytest.fixture(scope="module")
+def artifacts(built: Built) -> dict[str, Path]:
+    """What each virtualenv installs: an artifact, or the checkout itself."""
+    return {"sdist": built.sdist, "wheel": built.wheel, "checkout": ROOT}
+
+
+@pytest.fixture(scope="module", params=["wheel", "sdist", "checkout"])
 def installed(
     request: pytest.FixtureRequest,
     artifacts: dict[str, Path],
@@ -122,3 +142,69 @@ def test_the_migrations_ship(installed: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "CREATE TABLE public.outbox" in result.stdout
+
+
+def test_the_build_warns_of_nothing(built: Built) -> None:
+    # PYTHONDONTWRITEBYTECODE (set on some machines) makes setuptools say it skips
+    # byte-compiling: that is the environment's, not the package's.
+    warnings = [
+        line
+        for line in built.output.splitlines()
+        if re.search(r"warn", line, re.IGNORECASE) and "byte-compiling is disabled" not in line
+    ]
+    assert warnings == [], "\n".join(warnings)
+
+
+def test_the_sdist_carries_the_examples_the_docs_and_the_changelog(built: Built) -> None:
+    with tarfile.open(built.sdist) as sdist:
+        names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    examples = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "examples").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    docs = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    assert examples and examples <= names, sorted(examples - names)
+    assert docs and docs <= names, sorted(docs - names)
+    assert "CHANGELOG.md" in names
+    assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
+    with zipfile.ZipFile(built.wheel) as wheel:
+        assert not [n for n in wheel.namelist() if n.startswith(("examples/", "docs/"))]
+
+
+def test_the_readme_names_what_make_dist_makes_and_how_to_install_today(built: Built) -> None:
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install into your own service") :]
+    install = install[: install.index("\n## ")]
+    assert f"dist/{built.sdist.name}" in install and f"dist/{built.wheel.name}" in install
+    assert "pip install ." in install and 'pip install "./[spark]"' in install
+    assert "not on the public package index yet" in install and "`outbox-kafka`" in install
+
+
+def test_the_spark_extra_pins_pyspark(installed: Path) -> None:
+    probe = "import importlib.metadata as md; print('\\n'.join(md.requires('outbox-kafka')))"
+    result = run(installed, "python", "-c", probe)
+    assert result.returncode == 0, result.stderr
+    assert 'pyspark==4.0.0; extra == "spark"' in result.stdout.splitlines()
+
+
+def revisions(folder: Path) -> list[str]:
+    found = [
+        re.search(r'^revision = "([^"]+)"$', path.read_text(), re.MULTILINE)
+        for path in sorted(folder.glob("*.py"))
+        if path.name != "__init__.py"
+    ]
+    assert found and all(found)
+    return [match[1] for match in found if match]
+
+
+def test_the_changelog_has_an_upgrade_note_for_every_schema_revision() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in changelog
+    notes = changelog[changelog.index("### Upgrade notes") :]
+    rows = {line.split("`")[1] for line in notes.splitlines() if line.startswith("| `")}
+    every = revisions(ROOT / "migrations" / "versions") + revisions(
+        ROOT / "outbox" / "inbox" / "migrations" / "versions"
+    )
+    assert len(every) >= 7
+    assert set(every) <= rows, sorted(set(every) - rows)
