@@ -167,11 +167,13 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
         # Prepared messages (revision 0004): when the message was prepared (NULL for a plain
         # one), the name its checker is registered under, when it is checked next, every check
         # (count, time, answer, error) and how it ended (committed or rolled back, when, by
-        # whom: producer, check, expired, operator).
+        # whom: producer, check, expired, operator). check_failures (revision 0007): the checks
+        # among check_count whose checker raised or timed out.
         sa.Column("prepared_at", tz),
         sa.Column("check_group", sa.Text),
         sa.Column("next_check_at", tz),
         sa.Column("check_count", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("check_failures", sa.Integer, nullable=False, server_default="0"),
         sa.Column("last_checked_at", tz),
         sa.Column("last_check_answer", sa.Text),
         sa.Column("last_check_error", sa.Text),

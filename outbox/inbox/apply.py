@@ -125,9 +125,27 @@ class Transaction(Protocol):
 Begin = Callable[[], AbstractAsyncContextManager[Transaction]]
 
 
+#: Longest error text kept for a record (a parked row's ``error``, a log line's).
+MAX_ERROR_TEXT = 4000
+
+
 def _short_error(exc: BaseException) -> str:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return text[:2000]
+
+
+def handler_error(exc: BaseException) -> str:
+    """A handler's exception as it is logged and parked: its type and text first (what a
+    list shows), then the traceback that says where it came from, at most
+    ``MAX_ERROR_TEXT`` characters (the innermost frames are kept when it is cut)."""
+    summary = _short_error(exc)
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    room = MAX_ERROR_TEXT - len(summary) - 40
+    if room <= 0 or not frames:
+        return summary[:MAX_ERROR_TEXT]
+    if len(frames) > room:
+        frames = "  ...\n" + frames[-room:]
+    return f"{summary}\nTraceback (most recent call last):\n{frames}".rstrip()
 
 
 def _broken_connection(exc: BaseException) -> bool:
@@ -154,6 +172,9 @@ class _Ledger:
         self.max_attempts = max_attempts
         self.result = BatchResult()
         self.seen: set[str] = set()
+        #: ids whose copy earlier in this batch was not applied: parked ((reason, error)) or
+        #: held back for a retry (None). A later copy is no duplicate of those.
+        self.unsettled: dict[str, tuple[Item, tuple[str, str] | None]] = {}
         self.parked_topics: list[tuple[str, str]] = []
         self.applied_topics: list[str] = []
         self.duplicate_topics: list[str] = []
@@ -174,16 +195,27 @@ class _Ledger:
         self.applied_topics.append(item.record.topic)
         self.done(item)
 
-    def parked(self, item: Item, reason: str) -> None:
+    def parked(self, item: Item, reason: str, error: str) -> None:
         self.result.parked += 1
         self.parked_topics.append((item.record.topic, reason))
+        if item.identity is not None:
+            self.unsettled.setdefault(item.identity, (item, (reason, error)))
         self.done(item)
+
+    def hold(self, item: Item, first: Item) -> None:
+        """Hold ``item`` back like a failed record, without counting an attempt: its id's
+        first copy failed and is retried; once that one is applied, this one is a true
+        duplicate."""
+        r = first.record
+        error = f"waits for the copy at {r.topic}[{r.partition}]@{r.offset}, being retried"
+        self.result.blocked[item.tp] = Failure(item.record.offset, item.failures, error)
+        self.result.next_offsets[item.tp] = item.record.offset
 
     def failed(self, item: Item, exc: BaseException) -> tuple[str, int] | None:
         """A handler failed: returns (error, attempts) when the record is to be parked now,
         None when its partition waits for a retry."""
         attempts = item.failures + 1
-        error = _short_error(exc)
+        error = handler_error(exc)
         self.metrics.retried.labels(item.record.topic).inc()
         if attempts >= self.max_attempts:
             log.warning(
@@ -193,6 +225,8 @@ class _Ledger:
             return error, attempts
         self.result.blocked[item.tp] = Failure(item.record.offset, attempts, error)
         self.result.next_offsets[item.tp] = item.record.offset
+        if item.identity is not None:
+            self.unsettled.setdefault(item.identity, (item, None))
         log.info(
             "handler failed: record will be retried",
             extra={
@@ -270,7 +304,7 @@ class Applier:
                     cause = failed.__cause__
                     assert cause is not None
                     failed.item.failures += 1
-                    failed.item.last_error = _short_error(cause)
+                    failed.item.last_error = handler_error(cause)
                     self.metrics.retried.labels(failed.item.record.topic).inc()
             except sa.exc.IntegrityError as exc:
                 return await self._refused_at_commit(items, exc)
@@ -309,6 +343,8 @@ class Applier:
                 if item.park is not None:
                     await self._park(tx, ledger, item, *item.park, attempts=0)
                     continue
+                if await self._copy_of_unsettled(tx, ledger, item):
+                    continue
                 if not ledger.first_time(item):
                     ledger.duplicate(item)
                     continue
@@ -331,6 +367,24 @@ class Applier:
             if not careful:
                 await self._fast(tx, None, None)  # the handlers' ORM writes, in one flush
         return ledger.publish_metrics()
+
+    async def _copy_of_unsettled(self, tx: Transaction, ledger: _Ledger, item: Item) -> bool:
+        """A copy of an id whose first copy in this batch was parked is parked beside it, and
+        one whose first copy is held back for a retry is held back too: neither was applied,
+        so neither is a duplicate (whose offset would be committed as if it were)."""
+        assert item.identity is not None
+        unsettled = ledger.unsettled.get(item.identity)
+        if unsettled is None:
+            return False
+        first, parked = unsettled
+        if parked is None:
+            ledger.hold(item, first)
+            return True
+        reason, error = parked
+        r = first.record
+        copy = f"a copy of the message parked from {r.topic}[{r.partition}]@{r.offset}: {error}"
+        await self._park(tx, ledger, item, reason, copy[:MAX_ERROR_TEXT], attempts=0)
+        return True
 
     async def _fast(
         self, tx: Transaction, what: Item | list[Item] | None, blame: Item | None
@@ -401,7 +455,7 @@ class Applier:
     ) -> None:
         group = self.inbox.group
         await tx.run(self.store.park, group, item.record, item.identity, reason, error, attempts)
-        ledger.parked(item, reason)
+        ledger.parked(item, reason, error)
 
     async def apply_requeued(self, limit: int = 100) -> int:
         """Apply parked messages an operator marked for retry; returns how many were handled.
@@ -414,10 +468,11 @@ class Applier:
             rows = await tx.run(self.store.take_requeued, self.inbox.group, limit)
             for row in rows:
                 item = requeued_item(self.inbox, row)
+                if item.park is not None:  # still no identity, or still undecodable
+                    await tx.run(self.store.repark, row.id, item.park[1])
+                    continue
                 savepoint = await tx.savepoint()
                 try:
-                    if item.park is not None:
-                        raise ValueError(item.park[1])
                     if await tx.run(self.store.claim_one, self.inbox.group, _claim(item)):
                         batch = self.inbox.takes_batches(item.record.topic)
                         await self._call(tx, [item] if batch else item)
@@ -426,7 +481,7 @@ class Applier:
                     await tx.release(savepoint)
                 except Exception as exc:
                     await tx.rollback(savepoint)
-                    await tx.run(self.store.repark, row.id, _short_error(exc))
+                    await tx.run(self.store.repark, row.id, handler_error(exc))
                     continue
                 await tx.run(self.store.unpark, row.id)
             return len(rows)
@@ -438,8 +493,9 @@ def requeued_item(inbox: Inbox, row: Any) -> Item:
     record = RawRecord(
         row.topic, row.kafka_partition, row.kafka_offset, row.key, row.value, headers
     )
-    identity = row.message_id or f"{row.topic}/{row.kafka_partition}/{row.kafka_offset}"
-    return prepare(inbox, record, identity=identity)
+    # A record parked without an identity is given one now as it would be when read: by the
+    # inbox's missing_id (parked again, with the reason, under the default "park").
+    return prepare(inbox, record, identity=row.message_id)
 
 
 def prepare(inbox: Inbox, record: RawRecord, identity: str | None = None) -> Item:

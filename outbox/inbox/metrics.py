@@ -25,7 +25,9 @@ class InboxMetrics:
         )
         self.duplicates = Counter(
             "outbox_inbox_duplicates",
-            "Messages skipped because their id was already in the inbox",
+            "Records skipped because their message id was applied already (its inbox row "
+            "exists, or a copy earlier in the batch was applied); a copy of a parked or "
+            "retried message is parked or held back, never counted here",
             ["topic"],
             registry=r,
         )

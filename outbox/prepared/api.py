@@ -39,7 +39,7 @@ from outbox.errors import ConfigError, NotPrepared
 from outbox.message import EncodedMessage, Message, encode_message
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer, parse_answer
 from outbox.prepared.checkers import validate_group
-from outbox.prepared.store import PRODUCER, UNRESOLVED, PreparedStore
+from outbox.prepared.store import CHECK, EXPIRED, PRODUCER, UNRESOLVED, PreparedStore
 from outbox.publisher import Outbox
 from outbox.schema import DEAD, PENDING, ROLLED_BACK, SENT
 from outbox.tracing import current_trace_headers
@@ -175,14 +175,19 @@ class PreparedMessages:
 
     # -- commit and rollback ------------------------------------------------------------------
 
-    def commit(self, message_id: uuid.UUID | str) -> None:
+    def commit(self, message_id: uuid.UUID | str, *, after_rollback: bool = False) -> None:
         """Commit a prepared message: it becomes pending, and the relay publishes it.
 
         It takes its place among its key's messages now, after every message of the key
         committed before it. Committing a message already committed does nothing; one that
         was rolled back (by a check, say) raises :class:`~outbox.errors.NotPrepared`.
+
+        ``after_rollback=True`` commits a message that check-back rolled back (a checker
+        answered ROLLBACK, or ``max_checks`` ran out) when its step committed after all: the
+        answer to a ``NotPrepared`` after the step committed (docs/prepared-messages.md). A
+        message rolled back by its producer or an operator still raises ``NotPrepared``.
         """
-        self._decide_sync(_as_uuid(message_id), COMMIT)
+        self._decide_sync(_as_uuid(message_id), COMMIT, after_rollback)
 
     def rollback(self, message_id: uuid.UUID | str) -> None:
         """Roll a prepared message back: it is never published. Rolling back one already
@@ -190,9 +195,9 @@ class PreparedMessages:
         :class:`~outbox.errors.NotPrepared` (it may be on its topic already)."""
         self._decide_sync(_as_uuid(message_id), ROLLBACK)
 
-    async def acommit(self, message_id: uuid.UUID | str) -> None:
+    async def acommit(self, message_id: uuid.UUID | str, *, after_rollback: bool = False) -> None:
         """The asyncio version of :meth:`commit`."""
-        await self._decide_async(_as_uuid(message_id), COMMIT)
+        await self._decide_async(_as_uuid(message_id), COMMIT, after_rollback)
 
     async def arollback(self, message_id: uuid.UUID | str) -> None:
         """The asyncio version of :meth:`rollback`."""
@@ -317,18 +322,26 @@ class PreparedMessages:
             _local_failed(message_id)
             raise
 
-    def _decide_sync(self, message_id: uuid.UUID, answer: Answer) -> None:
+    def _decide_sync(
+        self, message_id: uuid.UUID, answer: Answer, after_rollback: bool = False
+    ) -> None:
         with self.outbox.engine.begin() as conn:
-            self._decide(conn, message_id, answer)
+            self._decide(conn, message_id, answer, after_rollback)
 
-    async def _decide_async(self, message_id: uuid.UUID, answer: Answer) -> None:
+    async def _decide_async(
+        self, message_id: uuid.UUID, answer: Answer, after_rollback: bool = False
+    ) -> None:
         async with self.outbox.async_engine.begin() as conn:
-            await conn.run_sync(lambda sync: self._decide(sync, message_id, answer))
+            await conn.run_sync(lambda sync: self._decide(sync, message_id, answer, after_rollback))
 
-    def _decide(self, conn: sa.Connection, message_id: uuid.UUID, answer: Answer) -> None:
+    def _decide(
+        self, conn: sa.Connection, message_id: uuid.UUID, answer: Answer, after_rollback: bool
+    ) -> None:
         with self.store.typed_errors():
             if answer is COMMIT:
-                done = self.store.commit(conn, [message_id], PRODUCER)
+                done = self.store.commit(
+                    conn, [message_id], PRODUCER, after_rollback=after_rollback
+                )
             else:
                 done = self.store.rollback(conn, [message_id], PRODUCER)
         if not done:
@@ -352,6 +365,11 @@ def already_decided(
     decided = "committed" if committed else "rolled back"
     wanted = "committed" if answer is COMMIT else "rolled back"
     hint = ": it may be on its topic already" if committed else ""
+    if answer is COMMIT and row["resolved_by"] in (CHECK, EXPIRED):
+        hint = (
+            ": if its step did happen, commit it with commit(id, after_rollback=True) or "
+            f"`outbox prepared commit --after-rollback {message_id}`"
+        )
     raise NotPrepared(
         f"message {message_id} was already {decided} (by {row['resolved_by'] or 'unknown'}), "
         f"it cannot be {wanted}{hint}",

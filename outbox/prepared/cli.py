@@ -82,13 +82,13 @@ from outbox.redaction import mask_secrets
 )
 @click.option(
     "--on-max-checks",
-    type=click.Choice(["rollback", "dead"]),
-    default="rollback",
+    type=click.Choice(["dead", "rollback"]),
+    default="dead",
     show_default=True,
     envvar="OUTBOX_CHECKBACK_ON_MAX_CHECKS",
     show_envvar=True,
-    help="rollback: the message is rolled back; dead: an operator decides "
-    "(outbox prepared commit/rollback).",
+    help="dead: an operator decides (outbox prepared commit/rollback); rollback: the message "
+    "is rolled back, unless a check failed (the checker raised or timed out): then dead.",
 )
 @click.option(
     "--max-hung-checks",
@@ -202,6 +202,7 @@ def prepared_list(
             click.echo(
                 f"{row['id']}  {row['topic']}  key={key}  group={row['check_group']}  "
                 f"{row['status']}  age={age}s  checks={row['check_count']}  "
+                f"failed={row['check_failures']}  "
                 f"last={row['last_check_answer'] or '-'}  "
                 f"next={due.isoformat(timespec='seconds') if due else '-'}"
             )
@@ -225,15 +226,20 @@ def _decide(commit: bool) -> Callable[..., None]:
         everything: bool,
         message_ids: tuple[Any, ...],
         group: str | None,
+        after_rollback: bool = False,
     ) -> None:
         if not (message_ids or topic or group or everything):
             raise click.UsageError("name message ids, or pass --topic, --group or --all")
+        if after_rollback and (topic or group or everything or not message_ids):
+            raise click.UsageError("--after-rollback takes message ids only")
         from outbox.prepared.store import OPERATOR
 
         store = _store(schema, table)
 
         def run(engine: Any) -> int:
             with engine.begin() as conn:
+                if after_rollback:
+                    return int(store.commit(conn, message_ids, OPERATOR, after_rollback=True))
                 rows = store.unresolved(
                     conn, ids=list(message_ids) or None, topic=topic, check_group=group
                 )
@@ -244,19 +250,33 @@ def _decide(commit: bool) -> Callable[..., None]:
         with database_engine(database_url) as engine:
             count = run_db_step(lambda: run(engine))
         click.echo(f"{'committed' if commit else 'rolled back'} {count} prepared message(s)")
-        if message_ids and count < len(set(message_ids)):
+        missed = len(set(message_ids)) - count
+        if message_ids and missed:
+            waiting = "rolled back by check-back" if after_rollback else "waiting for a verdict"
             click.echo(
-                f"{len(set(message_ids)) - count} of the ids given were not waiting for a "
-                "verdict (see outbox prepared show ID)"
+                f"{missed} of the ids given were not {waiting} (see outbox prepared show ID)",
+                err=True,
             )
+        if count == 0 or (message_ids and missed):
+            sys.exit(1)  # a script must see that nothing (or not all it named) was decided
 
     return command
 
 
+_AFTER_ROLLBACK = click.option(
+    "--after-rollback",
+    is_flag=True,
+    help="Commit the given messages that check-back rolled back (a checker's ROLLBACK, or "
+    "--on-max-checks rollback): the step happened after all. They are published now.",
+)
+
 prepared.command(
     "commit",
-    help="Commit messages waiting for a verdict: they become pending and are published.",
-)(_decide(commit=True))
+    help="Commit messages waiting for a verdict: they become pending and are published. "
+    "Exits 1 when it committed nothing, or not every id given.",
+)(_AFTER_ROLLBACK(_decide(commit=True)))
 prepared.command(
-    "rollback", help="Roll back messages waiting for a verdict: they are never published."
+    "rollback",
+    help="Roll back messages waiting for a verdict: they are never published. "
+    "Exits 1 when it rolled back nothing, or not every id given.",
 )(_decide(commit=False))

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from outbox.errors import ConfigError
 from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
 
-#: How a message ends when check-back gives up on it (``on_max_checks``): rolled back, as
-#: RocketMQ does, or dead for an operator to decide (``outbox prepared commit/rollback``).
+#: How a message ends when check-back gives up on it (``on_max_checks``): dead for an operator
+#: to decide (``outbox prepared commit/rollback``), or rolled back, as RocketMQ does.
 ROLLBACK_AT_MAX, DEAD_AT_MAX = "rollback", "dead"
 _END_STATUS = {ROLLBACK_AT_MAX: ROLLED_BACK, DEAD_AT_MAX: DEAD}
 #: Upper bounds of the settings in seconds: beyond them a value is a mistake, and overflows
@@ -38,7 +38,12 @@ class CheckbackConfig:
     #: Checks without a verdict before the message ends as ``on_max_checks`` says
     #: (RocketMQ's transactionCheckMax, 15).
     max_checks: int = 15
-    on_max_checks: str = ROLLBACK_AT_MAX
+    #: ``dead`` (the default): an operator decides (``outbox prepared commit/rollback``),
+    #: alerted by the ``outbox_checkback_expired`` counter. ``rollback``: rolled back, as
+    #: RocketMQ does, but only when every check answered UNKNOWN; a message with a failed
+    #: check (the checker raised or timed out) ends dead all the same, since a failure says
+    #: nothing about the step.
+    on_max_checks: str = DEAD_AT_MAX
     #: Checker calls past their timeout that may pile up before /healthz reports the runner
     #: unhealthy (a supervisor then restarts it).
     max_hung_checks: int = 16

@@ -234,11 +234,10 @@ class CheckbackRunner(Stoppable):
                 log.info(
                     f"prepared message {_DONE[answer]} by check-back", extra={"id": str(message_id)}
                 )
-        for message_id in recorded.expired:
-            m.expired.labels(group_of[message_id], self.config.end_status).inc()
+        for message_id, status in recorded.expired:
+            m.expired.labels(group_of[message_id], status).inc()
             log.warning(
-                f"no verdict after {self.config.max_checks} checks: the message ends "
-                f"{self.config.end_status}",
+                f"no verdict after {self.config.max_checks} checks: the message ends {status}",
                 extra={"id": str(message_id)},
             )
 

@@ -64,12 +64,12 @@ class CheckRecord:
 class Recorded:
     """What recording a round of checks did: the rows still held and prepared (the others were
     decided meanwhile, by their producer or an operator), and which of them were committed,
-    rolled back or given up on."""
+    rolled back or given up on (``expired``: each with the status it ended in)."""
 
     recorded: frozenset[uuid.UUID]
     committed: tuple[uuid.UUID, ...]
     rolled_back: tuple[uuid.UUID, ...]
-    expired: tuple[uuid.UUID, ...]
+    expired: tuple[tuple[uuid.UUID, str], ...]
 
 
 class PreparedStore:
@@ -116,15 +116,27 @@ class PreparedStore:
                 raise
             raise translated from error
 
-    def commit(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:
+    def commit(
+        self,
+        conn: sa.Connection,
+        ids: Iterable[uuid.UUID],
+        by: str,
+        *,
+        after_rollback: bool = False,
+    ) -> int:
         """Make prepared messages pending, in the order they were prepared (their UUIDv7 ids),
-        and wake a sleeping relay at commit. Returns how many were prepared."""
+        and wake a sleeping relay at commit. Returns how many were prepared.
+
+        ``after_rollback``: commit messages that check-back rolled back instead (by a
+        checker's ROLLBACK or at ``max_checks``; never one its producer or an operator rolled
+        back): the operator knows the step happened after all."""
         ordered = sorted(set(ids))
         if not ordered:
             return 0
         # One statement per id, sent as one batch: each takes its new seq in this order.
         params = [{"id": message_id, "by": by} for message_id in ordered]
-        count = int(conn.execute(self.queries["commit_prepared"], params).rowcount)
+        query = "commit_rolled_back" if after_rollback else "commit_prepared"
+        count = int(conn.execute(self.queries[query], params).rowcount)
         if count:
             space, number = self.spec.wake_lock
             conn.execute(
@@ -228,13 +240,14 @@ class PreparedStore:
             undecided = [c.id for c in held if c.answer not in (COMMIT, ROLLBACK)]
             self.commit(conn, committed, CHECK)
             self.rollback(conn, rolled_back, CHECK)
-            expired: tuple[uuid.UUID, ...] = ()
+            expired: tuple[tuple[uuid.UUID, str], ...] = ()
             if undecided:
                 expired = tuple(
-                    conn.execute(
+                    (row.id, row.status)
+                    for row in conn.execute(
                         self.queries["expire_prepared"],
                         {"ids": undecided, "max_checks": max_checks, "end_status": end_status},
-                    ).scalars()
+                    )
                 )
         return Recorded(recorded, committed, rolled_back, expired)
 
@@ -251,8 +264,13 @@ class PreparedStore:
             found = conn.execute(self.queries["checkback_access"], {"name": name}).one()
         if not found.table_exists:
             return f"table {name} does not exist: run `outbox db upgrade`"
-        if not found.upgraded:
+        if not found.prepared:
             return _too_old(self.spec)
+        if not found.upgraded:
+            return (
+                f"table {name} predates revision 0007_check_failures (failed checks counted "
+                "apart): run `outbox db upgrade`"
+            )
         if not found.allowed:
             return (
                 f"role {found.role} needs SELECT and UPDATE on {name} (docs/prepared-messages.md)"

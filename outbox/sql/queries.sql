@@ -377,6 +377,16 @@ UPDATE {table}
  WHERE id = :id
    AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
 
+-- name: commit_rolled_back
+-- An operator commits a message that check-back rolled back (by a checker's ROLLBACK or at
+-- max_checks), not its producer: the step happened after all. As commit_prepared; the
+-- idempotency key given up at the rollback stays given up (another message may hold it).
+UPDATE {table}
+   SET status = 'pending', seq = DEFAULT, created_at = now(), resolved_at = now(),
+       resolved_by = :by, next_check_at = NULL, lease_owner = NULL, lease_until = NULL,
+       attempts = 0, next_attempt_at = NULL, error_kind = NULL, last_error = NULL
+ WHERE id = :id AND status = 'rolled_back' AND resolved_by IN ('check', 'expired');
+
 -- name: rollback_prepared
 -- Roll prepared messages back, for good: they are never published. :by says who decided.
 -- The idempotency key is given up: a rolled-back message stands for a step that did not
@@ -424,11 +434,14 @@ RETURNING o.id, o.topic, o.key, o.value, o.content_type, o.header_names, o.heade
 -- name: record_checks
 -- Check-back: record one check of each row this runner (:owner) still holds: the count, the
 -- time, the answer (commit, rollback, unknown, error, timeout) with its error, and when to
--- check again (:delays seconds from now). The lease is given back. Returns the rows recorded,
--- still prepared, with their new count; the caller then acts on the answers in the same
+-- check again (:delays seconds from now). An error or a timeout also counts as a failed
+-- check (check_failures). The lease is given back. Returns the rows recorded, still
+-- prepared, with their new count; the caller then acts on the answers in the same
 -- transaction.
 UPDATE {table} AS o
    SET check_count = o.check_count + 1,
+       check_failures = o.check_failures
+                        + CASE WHEN c.answer IN ('error', 'timeout') THEN 1 ELSE 0 END,
        last_checked_at = now(),
        last_check_answer = c.answer,
        last_check_error = c.error,
@@ -442,30 +455,41 @@ UPDATE {table} AS o
 RETURNING o.id, o.check_count;
 
 -- name: expire_prepared
--- Check-back gives up on prepared rows that had :max_checks checks without a verdict: they end
--- rolled back (:end_status 'rolled_back') or dead for an operator (:end_status 'dead'), with
--- the reason. A dead one may still be committed or rolled back. Returns the rows it ended.
--- A rolled-back one gives up its idempotency key, as rollback_prepared does.
+-- Check-back gives up on prepared rows that had :max_checks checks without a verdict. They
+-- end rolled back (:end_status 'rolled_back') only when every check answered UNKNOWN: a
+-- check that failed (the checker raised or timed out) says nothing about the step, so a row
+-- with one ends dead for an operator, as every row does with :end_status 'dead'. A dead one
+-- may still be committed or rolled back; a rolled-back one gives up its idempotency key, as
+-- rollback_prepared does. Returns the rows it ended and how.
 UPDATE {table}
-   SET status = CAST(:end_status AS text), next_check_at = NULL,
-       idempotency_key = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN NULL
+   SET status = CASE WHEN CAST(:end_status AS text) = 'rolled_back' AND check_failures = 0
+                     THEN 'rolled_back' ELSE 'dead' END,
+       next_check_at = NULL,
+       idempotency_key = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
+                               AND check_failures = 0 THEN NULL
                               ELSE idempotency_key END,
-       resolved_at = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN now() END,
-       resolved_by = CASE WHEN CAST(:end_status AS text) = 'rolled_back' THEN 'expired' END,
+       resolved_at = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
+                           AND check_failures = 0 THEN now() END,
+       resolved_by = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
+                           AND check_failures = 0 THEN 'expired' END,
        error_kind = 'unresolved',
-       last_error = 'no verdict after ' || check_count || ' checks (last answer: '
+       last_error = 'no verdict after ' || check_count || ' checks ('
+                    || check_failures || ' failed; last answer: '
                     || coalesce(last_check_answer, '-') || ')'
  WHERE id = ANY(CAST(:ids AS uuid[])) AND status = (SELECT 'prepared')
    AND check_count >= :max_checks
-RETURNING id;
+RETURNING id, status;
 
 -- name: checkback_access
 -- What a check-back runner needs of the table :name: that it exists, has the columns of
--- revision 0004, and that the role may SELECT and UPDATE it (one privilege per call: given a
--- list, PostgreSQL answers true when any one of them is held).
+-- revision 0004 (prepared) and 0007 (upgraded), and that the role may SELECT and UPDATE it
+-- (one privilege per call: given a list, PostgreSQL answers true when any one is held).
 SELECT t.oid IS NOT NULL AS table_exists,
        EXISTS (SELECT 1 FROM pg_attribute
                 WHERE attrelid = t.oid AND attname = 'check_group' AND NOT attisdropped)
+           AS prepared,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = t.oid AND attname = 'check_failures' AND NOT attisdropped)
            AS upgraded,
        t.oid IS NOT NULL AND has_table_privilege(t.oid, 'SELECT')
            AND has_table_privilege(t.oid, 'UPDATE') AS allowed,
@@ -483,8 +507,8 @@ SELECT check_group, count(*) AS prepared,
 -- name: select_unresolved
 -- Messages waiting for a verdict (prepared, or left dead by check-back), oldest first: the
 -- given ids, one topic's, one check group's, or all, up to :limit.
-SELECT id, topic, key, check_group, status, prepared_at, check_count, last_checked_at,
-       last_check_answer, next_check_at
+SELECT id, topic, key, check_group, status, prepared_at, check_count, check_failures,
+       last_checked_at, last_check_answer, next_check_at
   FROM {table}
  WHERE (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'))
    AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))

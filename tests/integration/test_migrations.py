@@ -242,6 +242,7 @@ def test_revision_0004_holds_the_exclusive_lock_only_for_its_short_alter(
         ("0002_generation_retry_idx", "0003_wake_trigger"),
         ("0004_prepared_messages", "0005_wake_before_insert"),
         ("0005_wake_before_insert", "0006_wake_lock_in_condition"),
+        ("0006_wake_lock_in_condition", "0007_check_failures"),
     ],
 )
 def test_a_wake_revision_waits_a_bounded_time_for_an_open_transaction(
@@ -288,7 +289,7 @@ def test_downgrade_past_0004_refuses_messages_without_a_verdict(database_url: st
             )
         with pytest.raises(Exception, match="left dead without a verdict"):
             migrate.downgrade(database_url, revision="0003_wake_trigger")
-        assert migrate_current(engine) == "0006_wake_lock_in_condition"  # nothing came down
+        assert migrate_current(engine) == "0007_check_failures"  # nothing came down
     finally:
         engine.dispose()
 

@@ -238,7 +238,9 @@ def test_a_rolled_back_message_gives_its_idempotency_key_up(engine, outbox_url) 
     given_up = prepared.prepare("orders", {"order": 8}, idempotency_key="order-8-created")
     registry = CheckRegistry()
     registry.add_checker(answers(UNKNOWN), "orders")
-    with running_checkback(registry, fast_config(outbox_url, max_checks=1)):
+    with running_checkback(
+        registry, fast_config(outbox_url, max_checks=1, on_max_checks="rollback")
+    ):
         wait_for(lambda: status_of(engine, given_up.message_id) == "rolled_back", 30, "expiry")
     again = prepared.prepare("orders", {"order": 8}, idempotency_key="order-8-created")
     assert not again.duplicate and again.message_id != given_up.message_id
@@ -598,7 +600,7 @@ def test_max_checks_ends_a_message_as_configured(
     stored = row(engine, message.message_id)
     assert stored["check_count"] == 3
     assert stored["error_kind"] == "unresolved"
-    assert stored["last_error"] == "no verdict after 3 checks (last answer: unknown)"
+    assert stored["last_error"] == "no verdict after 3 checks (0 failed; last answer: unknown)"
     assert counter(runner, "expired", "never-sure", end) == 1
     assert counter(runner, "checks", "never-sure", "unknown") == 3
     if mode == "rollback":
@@ -754,8 +756,9 @@ def test_outbox_prepared_list_show_commit_and_rollback(engine, outbox_url) -> No
     shown = cli("prepared", "show", str(first.message_id))
     assert "check_group  ops" in shown and "status  prepared" in shown
     assert cli("prepared", "commit", str(first.message_id)) == "committed 1 prepared message(s)\n"
-    again = cli("prepared", "rollback", str(first.message_id))
-    assert again.splitlines() == [
+    again = CliRunner().invoke(main, ["prepared", "rollback", str(first.message_id), *url])
+    assert again.exit_code == 1  # it changed nothing
+    assert again.output.splitlines() == [
         "rolled back 0 prepared message(s)",
         "1 of the ids given were not waiting for a verdict (see outbox prepared show ID)",
     ]

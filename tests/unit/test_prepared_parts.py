@@ -233,7 +233,7 @@ def test_bad_runner_settings_are_refused(bad: dict[str, Any]) -> None:
 
 def test_checks_back_off_doubling_up_to_the_maximum() -> None:
     config = CheckbackConfig(database_url=NOWHERE, check_interval=60, backoff_max=600)
-    assert config.max_checks == 15 and config.end_status == "rolled_back"
+    assert config.max_checks == 15 and config.end_status == "dead"
     for checks, ceiling in ((1, 60), (2, 120), (3, 240), (4, 480), (5, 600), (14, 600)):
         delays = [config.delay_after(checks) for _ in range(50)]
         assert all(ceiling / 2 <= delay <= ceiling for delay in delays), checks
@@ -268,7 +268,7 @@ class StubStore:
             ids,
             tuple(c.id for c in checks if c.answer == "commit"),
             tuple(c.id for c in checks if c.answer == "rollback"),
-            tuple(c.id for c in checks if c.answer not in ("commit", "rollback")),
+            tuple((c.id, end) for c in checks if c.answer not in ("commit", "rollback")),
         )
 
     def counts(self, engine: Any, groups: Any) -> dict[str, tuple[int, float]]:
