@@ -3,13 +3,15 @@ inbox's and check-back's)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from outbox.errors import OutboxError
+from outbox.database_errors import database_not_ready, first_line
+from outbox.errors import ConfigError, OutboxError
 from outbox.redaction import mask_secrets
 from outbox.schema import OutboxTableSpec
 
@@ -19,12 +21,25 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+def _psycopg_url(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
+    # A usage error would print three lines (usage, hint, error); this one is one line.
+    from outbox.engines import database_url
+
+    try:
+        return None if url is None else database_url(url)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 DATABASE_URL = click.option(
     "--database-url",
     envvar="OUTBOX_DATABASE_URL",
     show_envvar=True,
     required=True,
-    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db",
+    callback=_psycopg_url,
+    help="e.g. postgresql+psycopg://user:pw@host/db; postgres:// and postgresql:// mean "
+    "the same (psycopg 3).",
 )
 SCHEMA = click.option(
     "--schema",
@@ -44,31 +59,63 @@ TABLE = click.option(
 )
 
 
-LOG_LEVEL = click.option(
-    "--log-level", default="INFO", show_default=True, envvar="OUTBOX_LOG_LEVEL", show_envvar=True
-)
+def daemon_options(env_prefix: str) -> Callable[[F], F]:
+    """The options every daemon has: ``--metrics-port``, ``--metrics-host``,
+    ``--start-timeout`` (read from ``<env_prefix>_METRICS_PORT``, ``..._METRICS_HOST`` and
+    ``..._START_TIMEOUT`` too), ``--log-level`` and ``--log-format``."""
+    from outbox.logs import LOG_FORMATS
 
+    options = (
+        click.option(
+            "--metrics-port",
+            type=int,
+            default=None,
+            envvar=f"{env_prefix}_METRICS_PORT",
+            show_envvar=True,
+            help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
+        ),
+        click.option(
+            "--metrics-host",
+            default="127.0.0.1",
+            show_default=True,
+            envvar=f"{env_prefix}_METRICS_HOST",
+            show_envvar=True,
+            help="Address the metrics and health server listens on (0.0.0.0 in a container).",
+        ),
+        click.option(
+            "--start-timeout",
+            default=60.0,
+            show_default=True,
+            envvar=f"{env_prefix}_START_TIMEOUT",
+            show_envvar=True,
+            help="Seconds to wait at start for a database that does not accept connections "
+            "yet (refused: starting or restarting); a wrong password, a missing database or "
+            "table, or missing privileges fail at once.",
+        ),
+        click.option(
+            "--log-level",
+            default="INFO",
+            show_default=True,
+            envvar="OUTBOX_LOG_LEVEL",
+            show_envvar=True,
+        ),
+        click.option(
+            "--log-format",
+            type=click.Choice(LOG_FORMATS),
+            default=None,
+            envvar="OUTBOX_LOG_FORMAT",
+            show_envvar=True,
+            help="json: one JSON object per line; text: readable lines. "
+            "Default: text on a terminal, json otherwise.",
+        ),
+    )
 
-def metrics_options(env_prefix: str) -> Callable[[Any], Any]:
-    """``--metrics-port`` and ``--metrics-host`` of a daemon, read from
-    ``<env_prefix>_METRICS_PORT`` and ``<env_prefix>_METRICS_HOST`` too."""
-    port = click.option(
-        "--metrics-port",
-        type=int,
-        default=None,
-        envvar=f"{env_prefix}_METRICS_PORT",
-        show_envvar=True,
-        help="Serve /metrics, /healthz and /readyz on this port (0: any free port).",
-    )
-    host = click.option(
-        "--metrics-host",
-        default="127.0.0.1",
-        show_default=True,
-        envvar=f"{env_prefix}_METRICS_HOST",
-        show_envvar=True,
-        help="Address the metrics and health server listens on (0.0.0.0 in a container).",
-    )
-    return lambda command: port(host(command))
+    def apply(command: F) -> F:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
 
 
 def message_selection(topic_help: str, all_help: str) -> Callable[[F], F]:
@@ -137,19 +184,16 @@ def table_spec(schema: str, table: str) -> OutboxTableSpec:
         raise click.BadParameter(str(exc)) from exc
 
 
-#: SQLSTATEs of a server that is there but not accepting connections yet (or now): shutting
-#: down, crashed, starting up, too many connections. A refused or timed-out connection has none.
-_NOT_YET = frozenset({"57P01", "57P02", "57P03", "53300", "08001", "08006"})
+def on_stop_signals(stop: Callable[[], None], log: logging.Logger, doing: str) -> None:
+    """On SIGTERM or SIGINT: log the signal and what the daemon does now, then ``stop()``."""
+    import signal
 
+    def handle(signum: int, _frame: object) -> None:
+        log.info("%s received: %s", signal.Signals(signum).name, doing)
+        stop()
 
-def database_not_ready(error: BaseException) -> bool:
-    """Whether ``error`` says the database is not reachable *yet* (worth waiting for), as
-    opposed to a wrong password, a missing database or table, or missing privileges."""
-    from sqlalchemy.exc import OperationalError
-
-    if not isinstance(error, OperationalError):
-        return False
-    return getattr(error.orig, "sqlstate", None) in _NOT_YET | {None}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
 
 
 def waiting_for_database(
@@ -162,7 +206,7 @@ def waiting_for_database(
 
     ``stop(seconds)`` waits between tries and returns True when a stop was asked for (the
     step then returns None); ``warn`` reports each wait. Any other failure, or the last one,
-    is raised at once.
+    is raised at once (see :func:`outbox.database_errors.database_not_ready`).
     """
     import time
 
@@ -176,13 +220,43 @@ def waiting_for_database(
                 left = deadline - time.monotonic()
                 if not database_not_ready(exc) or left <= 0:
                     raise
-                reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-                warn(f"database not ready ({mask_secrets(reason)}); trying again in {pause:.1f}s")
+                warn(f"database not ready ({first_line(exc)}); trying again in {pause:.1f}s")
                 if stop(min(pause, left)):
                     return None
                 pause = min(10.0, pause * 2)
 
     return waiting
+
+
+def check_database_at_start(
+    url: str,
+    problem: Callable[[sa.Engine], str | None],
+    timeout: float,
+    stop: Callable[[float], bool],
+    log: logging.Logger,
+) -> bool:
+    """A daemon's check before it starts: ``problem(engine)`` says why the daemon cannot
+    work on this database (a missing table, a privilege), or None.
+
+    A database that does not accept connections yet is waited for, up to ``timeout``
+    seconds, each try logged; anything else (that, or a wrong password, a missing database)
+    raises :class:`click.ClickException` with one line. False when ``stop`` was asked for
+    meanwhile.
+    """
+    import sqlalchemy as sa
+    from sqlalchemy.pool import NullPool
+
+    def check() -> bool:
+        engine = sa.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 10})
+        try:
+            found = problem(engine)
+        finally:
+            engine.dispose()
+        if found:
+            raise OutboxError(found)
+        return True
+
+    return run_db_step(waiting_for_database(check, timeout, stop, log.warning)) is not None
 
 
 def run_db_step(step: Callable[[], T]) -> T:
@@ -192,15 +266,15 @@ def run_db_step(step: Callable[[], T]) -> T:
     try:
         return step()
     except OutboxError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(mask_secrets(str(exc))) from exc
     except SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        reason = first_line(exc)
         if getattr(getattr(exc, "orig", None), "sqlstate", None) == "42703":  # undefined_column
             raise click.ClickException(
-                f"the table is older than this version of outbox ({mask_secrets(reason)}): "
+                f"the table is older than this version of outbox ({reason}): "
                 "run `outbox db upgrade`"
             ) from exc
-        raise click.ClickException(f"database error: {mask_secrets(reason)}") from exc
+        raise click.ClickException(f"database error: {reason}") from exc
 
 
 @contextmanager

@@ -1,8 +1,43 @@
-"""Engines for the senders (relay and immediate send)."""
+"""Database URLs, and engines for the senders (relay and immediate send)."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
+
+from outbox.errors import ConfigError
+
+#: The driver outbox talks to PostgreSQL with (psycopg 3), as SQLAlchemy names it.
+DRIVER_SCHEME = "postgresql+psycopg"
+
+#: Schemes that mean PostgreSQL without naming a driver: most services' URLs (and the
+#: ``DATABASE_URL`` of many hosting platforms) have one. SQLAlchemy reads ``postgresql://``
+#: as psycopg2 and does not know ``postgres://`` at all.
+_PLAIN_SCHEMES = ("postgres", "postgresql")
+_OTHER_DRIVERS = {"postgresql+psycopg2": "psycopg2", "postgres+psycopg2": "psycopg2"}
+
+
+def database_url(url: str) -> str:
+    """``url`` with the psycopg 3 driver: ``postgres://`` and ``postgresql://`` become
+    ``postgresql+psycopg://``; anything else is returned as it is.
+
+    Raises :class:`~outbox.errors.ConfigError` for a psycopg2 URL, saying what to write
+    instead (outbox does not depend on psycopg2)::
+
+        >>> database_url("postgres://app:pw@db/shop")
+        'postgresql+psycopg://app:pw@db/shop'
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return url
+    if scheme.lower() in _PLAIN_SCHEMES:
+        return f"{DRIVER_SCHEME}://{rest}"
+    driver = _OTHER_DRIVERS.get(scheme.lower())
+    if driver is not None:
+        raise ConfigError(
+            f"{scheme}:// URLs need {driver}, which outbox does not use: write "
+            f"{DRIVER_SCHEME}://... (psycopg 3), or postgresql://..., instead"
+        )
+    return url
 
 
 def sender_engine(

@@ -9,24 +9,26 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
 from outbox.cli_options import (
     DATABASE_URL,
-    LOG_LEVEL,
     SCHEMA,
     TABLE,
     bootstrap_servers_option,
+    check_database_at_start,
+    daemon_options,
     kafka_settings_option,
-    metrics_options,
     parse_key_values,
-    run_db_step,
     table_spec,
-    waiting_for_database,
 )
 from outbox.errors import OutboxError
 from outbox.redaction import mask_secrets
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
 
 
 @click.command()
@@ -99,7 +101,6 @@ from outbox.redaction import mask_secrets
     hidden=True,  # accepted for existing deployments: the relay no longer leases rows
     help="No longer used: the relay reads its shards' rows without leasing them.",
 )
-@metrics_options("OUTBOX_RELAY")
 @click.option(
     "--transactional-id-prefix",
     default=None,
@@ -132,17 +133,7 @@ from outbox.redaction import mask_secrets
     show_envvar=True,
     help="Seconds a SIGTERM may wait for the batch in hand.",
 )
-@click.option(
-    "--start-timeout",
-    default=60.0,
-    show_default=True,
-    envvar="OUTBOX_RELAY_START_TIMEOUT",
-    show_envvar=True,
-    help="Seconds to wait at start for a database that does not accept connections yet "
-    "(starting or restarting); a wrong password, a missing table or missing privileges "
-    "fail at once.",
-)
-@LOG_LEVEL
+@daemon_options("OUTBOX_RELAY")
 def relay(
     database_url: str,
     schema: str,
@@ -157,15 +148,16 @@ def relay(
     backoff_max: float,
     delivery_timeout_ms: int,
     lease_seconds: float,
-    metrics_port: int | None,
-    metrics_host: str,
     transactional_id_prefix: str | None,
     progress_topic: str | None,
     delete_on_send: bool,
     durable_marks: bool,
     shutdown_timeout: float,
+    metrics_port: int | None,
+    metrics_host: str,
     start_timeout: float,
     log_level: str,
+    log_format: str | None,
 ) -> None:
     """Publish pending outbox rows to Kafka until stopped (SIGTERM/SIGINT)."""
     import signal
@@ -176,12 +168,12 @@ def relay(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_early.set())
 
+    from outbox.logs import configure_logging
     from outbox.relay.config import RelayConfig, kafka_config_from_env
     from outbox.relay.daemon import Relay, tune_garbage_collector
-    from outbox.relay.observability import configure_logging
     from outbox.relay.policy import RetryPolicy
 
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
     kafka = {
         **kafka_config_from_env(),
         **parse_key_values(kafka_settings),
@@ -206,17 +198,16 @@ def relay(
             durable_marks=durable_marks,
             shutdown_timeout=shutdown_timeout,
         )
-        started = run_db_step(
-            waiting_for_database(
-                _check_relay_access(config),
-                start_timeout,
-                stop=stop_early.wait,
-                warn=logging.getLogger("outbox.relay").warning,
-            )
+        started = check_database_at_start(
+            database_url,
+            _relay_access_problem(config),
+            start_timeout,
+            stop=stop_early.wait,
+            log=logging.getLogger("outbox.relay"),
         )
     except (OutboxError, ValueError) as exc:
         raise click.ClickException(mask_secrets(str(exc))) from exc
-    if started is None:  # stopped while it waited for the database
+    if not started:  # stopped while it waited for the database
         sys.exit(0)
     daemon = Relay(config)
     daemon.install_signal_handlers()
@@ -226,49 +217,41 @@ def relay(
     sys.exit(daemon.run())
 
 
-def _check_relay_access(config: object) -> Callable[[], bool]:
-    """Fail fast, in one line, when the database or the table is out of reach."""
+def _relay_access_problem(config: object) -> Callable[[sa.Engine], str | None]:
+    """Why the relay cannot work on the table (missing, not upgraded, no privileges)."""
 
-    def check() -> bool:
+    def problem(engine: sa.Engine) -> str | None:
         import sqlalchemy as sa
 
         from outbox.relay.config import RelayConfig
 
         assert isinstance(config, RelayConfig)
-        engine = sa.create_engine(config.database_url, connect_args={"connect_timeout": 10})
-        try:
-            with engine.connect() as conn:
-                spec = config.spec
-                row = conn.execute(
-                    sa.text(
-                        # One privilege per call: given a list, Postgres answers true
-                        # when any one of them is held.
-                        "SELECT t.oid IS NOT NULL, t.oid IS NOT NULL"
-                        " AND has_table_privilege(t.oid, 'SELECT')"
-                        " AND has_table_privilege(t.oid, 'UPDATE'),"
-                        # The newest revision's column: a table not upgraded yet is refused
-                        # here, in one line, not by the first batch.
-                        " EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = t.oid"
-                        " AND attname = 'generation' AND NOT attisdropped)"
-                        " FROM (SELECT to_regclass(:name) AS oid) AS t"
-                    ),
-                    {"name": spec.qualified_name},
-                ).one()
-        finally:
-            engine.dispose()
+        spec = config.spec
+        with engine.connect() as conn:
+            row = conn.execute(
+                sa.text(
+                    # One privilege per call: given a list, Postgres answers true
+                    # when any one of them is held.
+                    "SELECT t.oid IS NOT NULL, t.oid IS NOT NULL"
+                    " AND has_table_privilege(t.oid, 'SELECT')"
+                    " AND has_table_privilege(t.oid, 'UPDATE'),"
+                    # The newest revision's column: a table not upgraded yet is refused
+                    # here, in one line, not by the first batch.
+                    " EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = t.oid"
+                    " AND attname = 'generation' AND NOT attisdropped)"
+                    " FROM (SELECT to_regclass(:name) AS oid) AS t"
+                ),
+                {"name": spec.qualified_name},
+            ).one()
         if not row[0]:
-            raise OutboxError(
-                f"table {spec.qualified_name} does not exist: run `outbox db upgrade`"
-            )
+            return f"table {spec.qualified_name} does not exist: run `outbox db upgrade`"
         if not row[1]:
-            raise OutboxError(
-                f"role {sa.make_url(config.database_url).username} needs SELECT and UPDATE "
+            return (
+                f"role {engine.url.username} needs SELECT and UPDATE "
                 f"on {spec.qualified_name} (see docs/relay.md, 'Database role')"
             )
         if not row[2]:
-            raise OutboxError(
-                f"table {spec.qualified_name} is older than this relay: run `outbox db upgrade`"
-            )
-        return True
+            return f"table {spec.qualified_name} is older than this relay: run `outbox db upgrade`"
+        return None
 
-    return check
+    return problem

@@ -13,12 +13,13 @@ import click
 
 from outbox.cli_options import (
     DATABASE_URL,
-    LOG_LEVEL,
     bootstrap_servers_option,
+    check_database_at_start,
+    daemon_options,
     database_engine,
     kafka_settings_option,
-    metrics_options,
     modules_from_working_directory,
+    on_stop_signals,
     parse_key_values,
     run_db_step,
 )
@@ -89,9 +90,21 @@ def _spec(schema: str, table: str) -> Any:
     help="Handler attempts before a message is parked.",
 )
 @click.option(
-    "--backoff-base", default=0.5, show_default=True, envvar="OUTBOX_CONSUME_BACKOFF_BASE"
+    "--backoff-base",
+    default=0.5,
+    show_default=True,
+    envvar="OUTBOX_CONSUME_BACKOFF_BASE",
+    show_envvar=True,
+    help="Seconds before a failed message's first retry (doubling, jittered).",
 )
-@click.option("--backoff-max", default=60.0, show_default=True, envvar="OUTBOX_CONSUME_BACKOFF_MAX")
+@click.option(
+    "--backoff-max",
+    default=60.0,
+    show_default=True,
+    envvar="OUTBOX_CONSUME_BACKOFF_MAX",
+    show_envvar=True,
+    help="The longest wait between two retries of a message.",
+)
 @click.option(
     "--retention",
     default=None,
@@ -99,8 +112,7 @@ def _spec(schema: str, table: str) -> Any:
     show_envvar=True,
     help="Purge inbox rows older than this (14d, 2w, ...) every hour; see docs/inbox.md.",
 )
-@metrics_options("OUTBOX_CONSUME")
-@LOG_LEVEL
+@daemon_options("OUTBOX_CONSUME")
 def consume(
     target: str,
     database_url: str,
@@ -116,30 +128,35 @@ def consume(
     retention: str | None,
     metrics_port: int | None,
     metrics_host: str,
+    start_timeout: float,
     log_level: str,
+    log_format: str | None,
 ) -> None:
     """Apply the records of MODULE:INBOX's topics through the inbox until stopped.
 
     MODULE:INBOX names an outbox.inbox.Inbox, e.g. myapp.handlers:inbox. SIGTERM finishes
     the batch in hand, commits its offsets and leaves the group.
     """
-    import signal
     import threading
 
+    from outbox.logs import KAFKA_LOGGER, configure_logging
+
+    configure_logging(log_level, log_format)
+    log = logging.getLogger("outbox.inbox")
     stop_early = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_early.set())
+
+    on_stop_signals(stop_early.set, log, "stopping while it starts")
 
     from outbox.durations import parse_duration
     from outbox.inbox.api import load_inbox
     from outbox.inbox.config import ConsumerConfig, kafka_config_from_env
     from outbox.inbox.runner import InboxRunner
 
-    _configure_logging(log_level)
     kafka = {
         **kafka_config_from_env(),
         **parse_key_values(kafka_settings),
         "bootstrap.servers": bootstrap_servers,
+        "logger": KAFKA_LOGGER,  # librdkafka's lines in the daemon's format, folded
     }
     try:
         age = parse_duration(retention) if retention else None
@@ -161,15 +178,19 @@ def consume(
             metrics_port=metrics_port,
             metrics_host=metrics_host,
         )
+        if not check_database_at_start(
+            database_url, _inbox_access_problem(config.spec), start_timeout, stop_early.wait, log
+        ):
+            sys.exit(0)  # stopped while it waited for the database
         runner = InboxRunner(inbox, config)
     except (OutboxError, ValueError) as exc:
         raise click.ClickException(mask_secrets(str(exc))) from exc
-    runner.install_signal_handlers()
+    on_stop_signals(
+        runner.stop, log, "finishing the batch in hand, committing its offsets, leaving the group"
+    )
     if stop_early.is_set():
         runner.stop()
-    logging.getLogger("outbox.inbox").info(
-        "inbox consumer starting", extra={"group": inbox.group, "topics": inbox.topics}
-    )
+    log.info("inbox consumer starting", extra={"group": inbox.group, "topics": inbox.topics})
     try:
         code = runner.run()
     except OutboxError as exc:
@@ -177,29 +198,43 @@ def consume(
     sys.exit(code)
 
 
-def _configure_logging(level: str) -> None:
-    import logging
-
-    handler = logging.StreamHandler()
-    handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+#: What the consumer does with each inbox table (docs/inbox.md, "Database role").
+_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
-class _Formatter(logging.Formatter):
-    """A plain line, then the record's ``extra=`` fields as key=value (secrets masked)."""
+def _inbox_access_problem(spec: Any) -> Callable[[Any], str | None]:
+    """Why the consumer cannot work on the inbox tables (missing, or a privilege missing)."""
 
-    _standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+    def problem(engine: Any) -> str | None:
+        import sqlalchemy as sa
 
-    def format(self, record: logging.LogRecord) -> str:
-        extras = " ".join(
-            f"{key}={value!r}"
-            for key, value in record.__dict__.items()
-            if key not in self._standard and not key.startswith("_")
-        )
-        line = super().format(record) + (f" {extras}" if extras else "")
-        return mask_secrets(line)
+        from outbox.inbox.store import InboxStore
+
+        tables = [spec.qualified_name, f"{spec.schema}.{spec.parked_name}"]
+        with engine.connect() as conn:
+            missing = InboxStore(spec).check(conn)
+            if missing:
+                return str(missing)
+            lacking = list(
+                conn.execute(
+                    sa.text(
+                        "SELECT t.name || ': ' || string_agg(p.privilege, ', ' ORDER BY p.n)"
+                        " FROM unnest(CAST(:tables AS text[])) AS t(name),"
+                        " unnest(CAST(:privileges AS text[])) WITH ORDINALITY AS p(privilege, n)"
+                        " WHERE NOT has_table_privilege(t.name, p.privilege)"
+                        " GROUP BY t.name ORDER BY t.name"
+                    ),
+                    {"tables": tables, "privileges": list(_PRIVILEGES)},
+                ).scalars()
+            )
+        if lacking:
+            return (
+                f"role {engine.url.username} needs {', '.join(_PRIVILEGES)} on the inbox tables; "
+                f"it lacks {'; '.join(lacking)} (see docs/inbox.md, 'Database role')"
+            )
+        return None
+
+    return problem
 
 
 @click.group()

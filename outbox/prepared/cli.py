@@ -13,13 +13,14 @@ import click
 from outbox.cli import dead_show
 from outbox.cli_options import (
     DATABASE_URL,
-    LOG_LEVEL,
     SCHEMA,
     TABLE,
+    check_database_at_start,
+    daemon_options,
     database_engine,
     message_selection,
-    metrics_options,
     modules_from_working_directory,
+    on_stop_signals,
     run_db_step,
     table_spec,
 )
@@ -98,8 +99,7 @@ from outbox.redaction import mask_secrets
     show_envvar=True,
     help="Timed-out checker calls still running before /healthz reports the runner unhealthy.",
 )
-@metrics_options("OUTBOX_CHECKBACK")
-@LOG_LEVEL
+@daemon_options("OUTBOX_CHECKBACK")
 def checkback(
     target: str,
     database_url: str,
@@ -115,26 +115,30 @@ def checkback(
     max_hung_checks: int,
     metrics_port: int | None,
     metrics_host: str,
+    start_timeout: float,
     log_level: str,
+    log_format: str | None,
 ) -> None:
     """Check prepared messages with MODULE:REGISTRY's checkers until stopped.
 
     MODULE:REGISTRY names an outbox.prepared.CheckRegistry, e.g. myapp.checks:registry. Run it
     in the service that prepares the messages. SIGTERM finishes the round of checks in hand.
     """
-    import signal
+    import logging
     import threading
 
-    stop_early = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_early.set())
-
     from outbox.logs import configure_logging
+
+    configure_logging(log_level, log_format)
+    log = logging.getLogger("outbox.checkback")
+    stop_early = threading.Event()
+
+    on_stop_signals(stop_early.set, log, "stopping while it starts")
+
     from outbox.prepared.checkers import load_registry
     from outbox.prepared.config import CheckbackConfig
     from outbox.prepared.runner import CheckbackRunner
 
-    configure_logging(log_level)
     modules_from_working_directory()
     try:
         registry = load_registry(target)
@@ -153,13 +157,13 @@ def checkback(
             metrics_host=metrics_host,
         )
         runner = CheckbackRunner(registry, config)
-        with database_engine(database_url, connect_args={"connect_timeout": 10}) as engine:
-            problem = run_db_step(lambda: runner.store.problem(engine))
-        if problem:
-            raise OutboxError(problem)
+        if not check_database_at_start(
+            database_url, runner.store.problem, start_timeout, stop_early.wait, log
+        ):
+            sys.exit(0)  # stopped while it waited for the database
     except (OutboxError, ValueError) as exc:
         raise click.ClickException(mask_secrets(str(exc))) from exc
-    runner.install_signal_handlers()
+    on_stop_signals(runner.stop, log, "finishing the round of checks in hand, then stopping")
     if stop_early.is_set():
         runner.stop()
     sys.exit(runner.run())
