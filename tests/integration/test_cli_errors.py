@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
