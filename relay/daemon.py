@@ -766,6 +766,8 @@ class Relay:
         gained, lost = self._ownership.rebalance(
             can_serve=self._kafka_reachable, before_letting_go=self._drain
         )
+        if self._wake is not None:
+            self._wake.alone = self._ownership.member_count <= 1
         if lost:
             self._publisher.let_go(lost)
             log.info("released shards %s", lost)

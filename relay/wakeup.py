@@ -70,6 +70,10 @@ class WakeUp:
         self.asleep = False
         #: This relay is busy and holds the wake lock shared: no relay sleeps meanwhile.
         self.working = False
+        #: No other relay was a member at the last rebalance: nobody else could sleep while
+        #: this one works, so a busy spell costs no lock (a relay that joins meanwhile is
+        #: told to stop sleeping at this one's next busy turn after its next rebalance).
+        self.alone = False
         self._settle_tries = 0
         self._noticed_at = float("-inf")
         #: A relay at work asked for the wake lock: the watcher leaves it until then.
@@ -128,6 +132,10 @@ class WakeUp:
         not notify), and hand the watch back. Costs nothing once the hold is taken."""
         self._settle_tries = 0
         if self.working:
+            return
+        if self.alone:
+            if self.watching:
+                self.away()
             return
         if self.watching:
             # Unlocks first, in order, then the shared hold (nobody else holds the lock
