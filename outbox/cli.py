@@ -439,6 +439,8 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
             raise click.UsageError("--reason picks the messages: give no ids and no --all")
 
         def run(engine: Any, queries: Any) -> int:
+            from outbox.wake import wake_relays
+
             with engine.begin() as conn:
                 ids = list(message_ids) or None
                 if reason is not None:
@@ -446,7 +448,10 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
                     if not ids:
                         return 0
                 params = {"ids": ids, "topic": topic}
-                return int(conn.execute(queries[query], params).rowcount)
+                count = int(conn.execute(queries[query], params).rowcount)
+                if count and query == "retry_dead":
+                    wake_relays(conn, queries)  # pending again: a sleeping relay sends them now
+                return count
 
         with _dead_store(database_url, schema, table) as (engine, queries):
             count = run_db_step(lambda: run(engine, queries))

@@ -68,8 +68,9 @@ class IdempotentSender:
         self._flights: list[Flight] = []
         #: Batches that ended and were not handed out by :meth:`wait` yet.
         self._ended: list[Flight] = []
-        #: Held while a batch is produced: the watchdog's purge waits for it. A purge between
-        #: two records of a batch would fail the first and let the later ones be acknowledged.
+        #: Held while a batch is produced (a purge between two records of a batch would fail
+        #: the first and let the later ones be acknowledged) and while reports are served:
+        #: the loop and the deadline watchdog both serve them, never at the same time.
         self._producing = threading.Lock()
         self._watchdog = _DeadlineWatchdog(self._purge_now)
 
@@ -92,33 +93,35 @@ class IdempotentSender:
         timeout = self.delivery_timeout if timeout is None else timeout
         began = time.monotonic() if started is None else started
         flight = Flight(records, began + timeout, timeout)
-        self._flights.append(flight)
-        self._watchdog.watch(min(f.deadline for f in self._flights))
         with self._producing:
+            self._flights.append(flight)
+            self._watchdog.watch(min(f.deadline for f in self._flights))
             for position, record in enumerate(records):
                 if not self._produce(flight, record):
                     # The local queue stayed full until the deadline or a shutdown: the rest
                     # of the batch is given back unsent (nothing of it reached the producer).
                     flight.result.not_attempted.extend(r.id for r in records[position:])
                     break
-        self._settle_finished()
+            self._settle_finished()
         return flight
 
     def wait(self, timeout: float) -> list[Flight]:
         """Serve the producer up to ``timeout`` seconds, or until a batch settles; return the
         batches that ended since the last call (in the order they were started)."""
-        if self._flights and not self._ended:
-            now = time.monotonic()
-            first_deadline = min(f.deadline for f in self._flights)
-            self._guarded(lambda: self.producer.poll(max(0.0, min(timeout, first_deadline - now))))
-        else:
-            self._guarded(lambda: self.producer.poll(0 if self._ended else timeout))
-        if self._flights and (
-            time.monotonic() >= min(f.deadline for f in self._flights) or self.give_up()
-        ):
-            self._end_all(stopping=self.give_up())
-        self._settle_finished()
-        ended, self._ended = self._ended, []
+        with self._producing:  # the watchdog serves the reports too, never at the same time
+            if self._flights and not self._ended:
+                now = time.monotonic()
+                first_deadline = min(f.deadline for f in self._flights)
+                wait = max(0.0, min(timeout, first_deadline - now))
+                self._guarded(lambda: self.producer.poll(wait))
+            else:
+                self._guarded(lambda: self.producer.poll(0 if self._ended else timeout))
+            # Only a batch still waiting for Kafka (or purged by the watchdog) at its deadline
+            # ends the batches in flight: one acknowledged in full is not overdue.
+            if self._flights and (self._overdue() or self.give_up()):
+                self._end_all(stopping=self.give_up())
+            self._settle_finished()
+            ended, self._ended = self._ended, []
         return ended
 
     def publish(self, records: Sequence[OutboxRecord]) -> BatchResult:
@@ -129,7 +132,8 @@ class IdempotentSender:
         return flight.result
 
     def serve_events(self) -> None:
-        self.producer.poll(0)
+        with self._producing:
+            self.producer.poll(0)
 
     def check_reachable(self, timeout: float) -> None:
         try:
@@ -139,9 +143,10 @@ class IdempotentSender:
 
     def purge(self) -> None:
         """Stop sending now (this relay lost its shards): what is unacknowledged is given back."""
-        if self._flights:
-            self._end_all(stopping=True)
-            self._settle_finished()
+        with self._producing:
+            if self._flights:
+                self._end_all(stopping=True)
+                self._settle_finished()
 
     def close(self, timeout: float = 30.0) -> None:
         self._watchdog.stop()
@@ -225,9 +230,31 @@ class IdempotentSender:
     def _purge_now(self) -> None:
         """The watchdog's call at a deadline the loop may be too busy to meet: purge at once,
         so that librdkafka never times messages out one by one. The loop's next :meth:`wait`
-        turns the purged reports into timeouts. Never while a batch is being produced."""
+        turns the purged reports into timeouts. Never while a batch is being produced.
+
+        The reports that arrived are served first: a batch Kafka acknowledged in full while
+        the loop was busy is not overdue, and purging at its deadline would fail the batches
+        after it (charging their messages an attempt). Only an overdue batch that still
+        waits for Kafka purges; otherwise the watch moves to the next deadline."""
         with self._producing:
-            self.producer.purge(in_queue=True, in_flight=True)
+            self._guarded(lambda: self.producer.poll(0))
+            if self._overdue():
+                self.producer.purge(in_queue=True, in_flight=True)
+            else:
+                waiting = (f.deadline for f in self._flights if f.outstanding > 0)
+                self._watchdog.watch(min(waiting, default=None))
+
+    def _overdue(self) -> bool:
+        """A batch's deadline passed while it still waits for Kafka (or was purged)."""
+        now = time.monotonic()
+        return any(
+            flight.deadline <= now
+            and (
+                flight.outstanding > 0
+                or any(error.code() in _PURGED for error in flight.result.errors.values())
+            )
+            for flight in self._flights
+        )
 
     def _guarded(self, call: Callable[[], object]) -> None:
         """Run a producer call; a fatal error raised from it ends every batch in flight."""
@@ -288,6 +315,16 @@ class _DeadlineWatchdog:
         self._thread.join(5)
 
     def _run(self) -> None:
+        while self._due():
+            # Outside the condition's lock: the purge waits for the producing lock, whose
+            # holder may be setting the next deadline.
+            try:
+                self._purge()
+            except Exception:  # the loop's own purge at its next wait() follows anyway
+                log.exception("purge at the batch deadline failed")
+
+    def _due(self) -> bool:
+        """Wait until the deadline passes (True) or the watchdog is stopped (False)."""
         with self._changed:
             while not self._stopped:
                 deadline = self._deadline
@@ -301,7 +338,6 @@ class _DeadlineWatchdog:
                     self._changed.wait(left)
                     continue
                 self._deadline = None
-                try:
-                    self._purge()
-                except Exception:  # the loop's own purge at its next wait() follows anyway
-                    log.exception("purge at the batch deadline failed")
+                self._wakes_at = None
+                return True
+            return False

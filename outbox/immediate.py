@@ -48,6 +48,7 @@ from outbox.flights import IdempotentSender
 from outbox.records import OutboxRecord
 from outbox.rows import OutboxRows, pending_row
 from outbox.schema import OutboxTableSpec
+from outbox.wake import wake_relays
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ class ImmediateSender:
                 .mappings()
                 .all()
             )
+            if len(rows) < len(set(ids)):
+                wake_relays(conn, self.rows.queries)  # rows left to the relay: it sends them
         clear = {row["id"] for row in rows}
         outcome.left_to_relay.extend(i for i in ids if i not in clear)
         records = []

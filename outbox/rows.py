@@ -17,6 +17,7 @@ from outbox.queries import Queries
 from outbox.records import OutboxRecord
 from outbox.schema import OutboxTableSpec
 from outbox.sending import Ack
+from outbox.wake import wake_relays
 
 #: error_kind of a row that cannot even be turned into a Kafka record.
 UNDECODABLE = "undecodable"
@@ -158,12 +159,14 @@ class OutboxRows:
         # The usual batch is all sent: one statement, run without BEGIN/COMMIT round trips.
         scope = (
             self.autocommit(self.marking_engine)
-            if len(statements) == 1
+            if len(statements) == 1 and not released
             else self.marking_engine.begin()
         )
         with scope as conn:
             for name, params in statements:
                 conn.execute(self.queries[name], {**params, "owner": self.owner})
+            if released:
+                wake_relays(conn, self.queries)  # given back: the relay sends them now
 
     def close(self) -> None:
         self.marking_engine.dispose()

@@ -271,10 +271,10 @@ class Relay:
                     if busy:
                         # Busy: look again at once, and let writers commit without notifying.
                         self._wake.busy()
-                    elif self.health.stepped_aside:
+                    elif self.health.stepped_aside or not self._owns_shards():
                         # Owning no shard, it must not watch for the others: writers would
                         # notify at every commit while they work.
-                        self._wake.busy()
+                        self._wake.away()
                         self._stop.wait(self._sleep_timeout())
                     else:
                         self._wake.idle(self._sleep_timeout())
@@ -586,7 +586,7 @@ class Relay:
         if self._wake is None or self._conn is None or self._conn.closed:
             return
         try:
-            self._wake.busy()
+            self._wake.away()
         except psycopg.Error as error:
             # Closed with the connection, the locks cannot outlive what this relay knows.
             self._lost_database(error)
@@ -599,6 +599,9 @@ class Relay:
             self._ownership.mark_failing()
         except psycopg.Error as error:
             self._lost_database(error)
+
+    def _owns_shards(self) -> bool:
+        return self._ownership is not None and bool(self._ownership.owned)
 
     def _sleep_timeout(self) -> float:
         """How long an idle relay may sleep: until the poll interval or the next rebalance."""
@@ -763,6 +766,8 @@ class Relay:
         gained, lost = self._ownership.rebalance(
             can_serve=self._kafka_reachable, before_letting_go=self._drain
         )
+        if self._wake is not None:
+            self._wake.alone = self._ownership.member_count <= 1
         if lost:
             self._publisher.let_go(lost)
             log.info("released shards %s", lost)
@@ -944,7 +949,7 @@ class Relay:
             if self._ownership is not None and self._conn is not None and not self._conn.closed:
                 released = self._ownership.release_all()
                 if self._wake is not None:
-                    self._wake.busy()  # an idle relay in this one's care takes the watch
+                    self._wake.away()  # an idle relay in this one's care takes the watch
         except psycopg.Error:
             pass  # the locks go with the connection anyway
         self._recorder.close()

@@ -51,6 +51,8 @@ class ShardOwnership:
         #: One key, held only while a relay decides to step aside: decisions go one at a time.
         self._stepping_aside = (self.spec.lock_space("step-aside"), 0)
         self.serving = False
+        #: Live members at the last rebalance (this one counted).
+        self.member_count = 1
 
     def join(self) -> None:
         """Take the member lock (counted by everyone's rebalance). Join only when able to
@@ -139,7 +141,8 @@ class ShardOwnership:
         relay finishes its batches there (and only when it has shards to give up).
         Returns (gained, lost).
         """
-        target = math.ceil(self.shard_count / self.members())
+        self.member_count = self.members()
+        target = math.ceil(self.shard_count / self.member_count)
         if len(self.owned) > target:
             before_letting_go()
         lost: list[int] = []

@@ -14,7 +14,12 @@ from outbox.rows import READ_COLUMNS, Failure, OutboxRows, PendingRow, pending_r
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
-__all__ = ["Failure", "PendingRow", "RelayStore", "shard_window"]
+__all__ = ["HELD_REACH", "Failure", "PendingRow", "RelayStore", "shard_window"]
+
+#: How many rows leased by immediate senders a read passes over in one shard to fill its
+#: window with rows that may go (leases are short: a sender holds at most what it sent in
+#: the last few seconds). It also bounds the read's walk of a shard whatever the leases.
+HELD_REACH = 10_000
 
 
 def shard_window(batch_size: int, shards: int) -> int:
@@ -62,6 +67,7 @@ class RelayStore(OutboxRows):
         params = {
             "shards": list(shards),
             "window": window,
+            "held_reach": HELD_REACH,
             "batch_size": batch_size,
             "owner_key": owner_key,
             **self.spec.owner_session_keys,

@@ -16,11 +16,23 @@ table's *wake lock* (an advisory lock, see ``OutboxTableSpec.wake_lock``) says w
   the watcher sleeps: while it cannot (writers mid-transaction), they pause and look again
   as it does. The watching relay NOTIFYs again when it gets work and lets go, so the others
   never sleep unwatched.
+* A busy relay holds the wake lock shared, as a writer does, for as long as it is busy: no
+  relay sleeps while another works, so writers never notify then, however many relays idle
+  beside it. The idle ones look again at the settle pauses meanwhile (at least every
+  :data:`MAX_SETTLE_PAUSE`): a row of their shards waits that long at most, never their poll
+  interval. A relay that gets work while the watcher sleeps is refused the shared hold: it
+  NOTIFYs ``working`` (at most every :data:`WORKING_NOTICE_INTERVAL`), the watcher lets the
+  wake lock go and leaves it alone for :data:`WORKING_GRACE`, and the busy relay takes its
+  shared hold at its next turn.
+* A relay that can serve no commit (it owns no shard, or stepped aside) holds nothing
+  (:meth:`WakeUp.away`): were it to watch, every writer would notify while the others work.
 
-Busy relays hold nothing: writers then only take a shared lock, and never notify.
+Writers that find no relay asleep only take a shared lock, and never notify.
 """
 
 from __future__ import annotations
+
+import time
 
 import psycopg
 
@@ -31,8 +43,17 @@ from outbox.schema import OutboxTableSpec
 SETTLE_PAUSE = 0.001
 #: Tries at that pause before the pause doubles.
 SHORT_SETTLE_TRIES = 10
-#: Longest pause: a transaction left open after inserting keeps a relay looking this often.
+#: Longest pause: a transaction left open after inserting, or another relay at work, keeps
+#: an idle relay looking this often.
 MAX_SETTLE_PAUSE = 0.05
+#: Payload of the NOTIFY a relay that got work sends when the sleeping watcher refuses it
+#: the shared hold, and the least time between two of them.
+WORKING = "working"
+WORKING_NOTICE_INTERVAL = 0.02
+#: Seconds a watcher told that a relay works leaves the wake lock alone: longer than a busy
+#: relay's turn (a wait for Kafka is cut into 0.2 s slices), so that the busy relay takes
+#: its shared hold before the watcher could fall asleep again.
+WORKING_GRACE = 0.5
 
 
 class WakeUp:
@@ -47,14 +68,29 @@ class WakeUp:
         self.watching = False
         #: This relay holds the wake lock: writers notify.
         self.asleep = False
+        #: This relay is busy and holds the wake lock shared: no relay sleeps meanwhile.
+        self.working = False
+        #: No other relay was a member at the last rebalance: nobody else could sleep while
+        #: this one works, so a busy spell costs no lock (a relay that joins meanwhile is
+        #: told to stop sleeping at this one's next busy turn after its next rebalance).
+        self.alone = False
         self._settle_tries = 0
+        self._noticed_at = float("-inf")
+        #: A relay at work asked for the wake lock: the watcher leaves it until then.
+        self._hold_off_until = float("-inf")
 
     def idle(self, timeout: float) -> bool:
         """Nothing to do: take the watch if free, then sleep, or pause briefly while writers
-        are mid-transaction. Returns whether to look again at once (a NOTIFY ended the wait,
-        or this relay just fell asleep)."""
+        are mid-transaction or another relay works. Returns whether to look again at once (a
+        NOTIFY ended the wait, or this relay just fell asleep)."""
         if self.asleep:
             return self._wait(timeout)
+        if self.working:
+            self.conn.execute("SELECT pg_advisory_unlock_shared(%s, %s)", self.wake_lock)
+            self.working = False
+        if self.watching and time.monotonic() < self._hold_off_until:
+            self._settle_tries += 1
+            return self._wait(min(settle_pause(self._settle_tries), timeout))
         # One round trip: the watch if free; then, watching, the wake lock and the NOTIFY that
         # makes every relay look once more (commits made before the lock was ours did not
         # notify); not watching, whether the watcher sleeps (holds the wake lock).
@@ -84,38 +120,88 @@ class WakeUp:
             self._settle_tries = 0
             return True  # the last look, for commits made before the lock was ours
         if self.watching or not watched:
-            # Writers are mid-transaction, and any of them may have skipped its NOTIFY: the
-            # watcher cannot sleep yet, and nobody else may either while it cannot.
+            # Writers are mid-transaction (any of them may have skipped its NOTIFY) or a relay
+            # works: the watcher cannot sleep yet, and nobody else may either while it cannot.
             self._settle_tries += 1
             return self._wait(min(settle_pause(self._settle_tries), timeout))
         self._settle_tries = 0
         return self._wait(timeout)  # the watcher sleeps: writers notify
 
     def busy(self) -> None:
-        """Work was found: stop making writers notify, and hand the watch back."""
-        if not self.watching:
+        """Work was found: hold the wake lock shared while busy (no relay sleeps, writers do
+        not notify), and hand the watch back. Costs nothing once the hold is taken."""
+        self._settle_tries = 0
+        if self.working:
             return
-        # Unlocks first, in order; the NOTIFY (delivered at this statement's commit) tells
-        # relays that slept in this one's care to take the watch over.
-        unlock_wake = "pg_advisory_unlock(%s, %s), " if self.asleep else ""
-        self.conn.execute(
-            f"SELECT {unlock_wake}pg_advisory_unlock(%s, %s), pg_notify(%s, 'relay')",
-            (*(self.wake_lock if self.asleep else ()), *self.sleeper_lock, self.channel),
-        )
-        self.watching = self.asleep = False
+        if self.alone:
+            if self.watching:
+                self.away()
+            return
+        if self.watching:
+            # Unlocks first, in order, then the shared hold (nobody else holds the lock
+            # exclusively: only the watcher takes it so); the NOTIFY (delivered at this
+            # statement's commit) tells relays that slept in this one's care to take the
+            # watch over.
+            unlock_wake = "pg_advisory_unlock(%s, %s), " if self.asleep else ""
+            row = self.conn.execute(
+                f"SELECT {unlock_wake}pg_advisory_unlock(%s, %s), "
+                "pg_notify(%s, 'relay'), pg_try_advisory_lock_shared(%s, %s)",
+                (
+                    *(self.wake_lock if self.asleep else ()),
+                    *self.sleeper_lock,
+                    self.channel,
+                    *self.wake_lock,
+                ),
+            ).fetchone()
+            self.watching = self.asleep = False
+            self.working = row is not None and bool(row[-1])
+            return
+        # The watcher may sleep: then tell it that a relay works (it lets the lock go), and
+        # try again at the next turn.
+        now = time.monotonic()
+        notice = now - self._noticed_at >= WORKING_NOTICE_INTERVAL
+        row = self.conn.execute(
+            "SELECT held, CASE WHEN NOT held AND %s THEN pg_notify(%s, %s)::text END "
+            "FROM (SELECT pg_try_advisory_lock_shared(%s, %s) AS held OFFSET 0) AS h",
+            (notice, self.channel, WORKING, *self.wake_lock),
+        ).fetchone()
+        self.working = row is not None and bool(row[0])
+        if not self.working and notice:
+            self._noticed_at = now
+
+    def away(self) -> None:
+        """This relay can serve no commit (it owns no shard, stepped aside, cannot publish, is
+        stopping): hold nothing, and hand the watch back."""
+        if self.working:
+            self.conn.execute("SELECT pg_advisory_unlock_shared(%s, %s)", self.wake_lock)
+            self.working = False
+        if self.watching:
+            unlock_wake = "pg_advisory_unlock(%s, %s), " if self.asleep else ""
+            self.conn.execute(
+                f"SELECT {unlock_wake}pg_advisory_unlock(%s, %s), pg_notify(%s, 'relay')",
+                (*(self.wake_lock if self.asleep else ()), *self.sleeper_lock, self.channel),
+            )
+            self.watching = self.asleep = False
         self._settle_tries = 0
 
     def forget(self) -> None:
         """The connection is gone, and its locks with it."""
-        self.watching = self.asleep = False
+        self.watching = self.asleep = self.working = False
         self._settle_tries = 0
 
     def _wait(self, timeout: float) -> bool:
         woken = False
-        for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+        told_working = False
+        for notice in self.conn.notifies(timeout=timeout, stop_after=1):
             woken = True
-        for _ in self.conn.notifies(timeout=0):  # fold the wake-ups that queued meanwhile
-            pass
+            told_working = notice.payload == WORKING
+        for notice in self.conn.notifies(timeout=0):  # fold the wake-ups that queued meanwhile
+            told_working = told_working or notice.payload == WORKING
+        if told_working and self.asleep:
+            # A relay works: let it take its shared hold; writers stop notifying then.
+            self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", self.wake_lock)
+            self.asleep = False
+            self._hold_off_until = time.monotonic() + WORKING_GRACE
         return woken
 
 

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from outbox.queries import Queries
 from outbox.schema import OutboxTableSpec
+from outbox.wake import wake_relays
 
 
 def _batches(ids: Iterable[str], size: int) -> Iterator[list[uuid.UUID]]:
@@ -31,9 +32,13 @@ def requeue_missing(
     already republished them) changes nothing more. Each batch commits on its own: a repair cut
     short keeps what it did and can simply be run again.
     """
-    query = Queries(spec)["requeue_missing"]
+    queries = Queries(spec)
+    query = queries["requeue_missing"]
     changed = 0
     for batch in _batches(ids, batch_size):
         with engine.begin() as conn:
-            changed += conn.execute(query, {"ids": batch}).rowcount
+            requeued = conn.execute(query, {"ids": batch}).rowcount
+            if requeued:
+                wake_relays(conn, queries)  # pending again: a sleeping relay sends them now
+            changed += requeued
     return changed

@@ -24,6 +24,7 @@ from outbox.publisher import translate_table_error
 from outbox.queries import Queries
 from outbox.redaction import mask_secrets
 from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
+from outbox.wake import wake_relays
 
 #: Who decided a prepared message (the ``resolved_by`` column).
 PRODUCER, CHECK, EXPIRED, OPERATOR = "producer", "check", "expired", "operator"
@@ -138,11 +139,7 @@ class PreparedStore:
         query = "commit_rolled_back" if after_rollback else "commit_prepared"
         count = int(conn.execute(self.queries[query], params).rowcount)
         if count:
-            space, number = self.spec.wake_lock
-            conn.execute(
-                self.queries["wake_relays"],
-                {"channel": self.spec.notify_channel, "wake_space": space, "wake_number": number},
-            )
+            wake_relays(conn, self.queries)
         return count
 
     def rollback(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:

@@ -167,6 +167,11 @@ DELETE FROM {table} AS o
 -- Each shard's window is its first :window rows that could go: rows backing off, and the rows
 -- of their keys behind them, are passed over (one probe of the small retry index per row), so
 -- that a key with a deep backlog behind a failing message never fills the window by itself.
+-- Leased rows are passed over too, counted out of the window by a running count of the rows
+-- that are not leased (the run condition of that count stops the walk of the pending index
+-- once the window is full): however many rows the immediate sender holds at a shard's head,
+-- the rows of other keys behind them are read. The leased rows walked over still hold their
+-- keys' later rows back (blockers).
 -- Given :owner_key, nothing is read once its owner session is gone (see owner_alive).
 WITH held AS MATERIALIZED (
     SELECT s.shard
@@ -181,21 +186,29 @@ window_rows AS (
                    WHERE f.status = 'pending' AND f.next_attempt_at > now()
                      AND f.shard = s.shard) AS backing_off) AS r
      CROSS JOIN LATERAL (
-           SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type, p.header_names,
-                  p.header_values, p.attempts, p.created_at, p.generation, p.lease_until
-             FROM {table} AS p
-            WHERE p.status = 'pending' AND p.shard = s.shard
-              AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
-              -- Probed only in a shard with rows backing off, and kept a probe per row by the
-              -- OR (an anti join would compare each row with every row backing off).
-              AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
-                  SELECT 1
-                    FROM {table} AS f
-                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
-                     AND f.shard = p.shard AND f.topic = p.topic AND f.key = p.key
-                     AND f.seq < p.seq))
-            ORDER BY p.seq
-            LIMIT :window) AS o),
+           SELECT *
+             FROM (SELECT w.*,
+                          count(*) FILTER (WHERE w.lease_until IS NULL OR w.lease_until <= now())
+                              OVER (ORDER BY w.seq) AS free_rows
+                     FROM (SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type,
+                                  p.header_names, p.header_values, p.attempts, p.created_at,
+                                  p.generation, p.lease_until
+                             FROM {table} AS p
+                            WHERE p.status = 'pending' AND p.shard = s.shard
+                              AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
+                              -- Probed only in a shard with rows backing off, and kept a probe
+                              -- per row by the OR (an anti join would compare each row with
+                              -- every row backing off).
+                              AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
+                                  SELECT 1
+                                    FROM {table} AS f
+                                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                                     AND f.shard = p.shard AND f.topic = p.topic
+                                     AND f.key = p.key AND f.seq < p.seq))
+                            ORDER BY p.seq
+                            LIMIT CAST(:window AS integer) + CAST(:held_reach AS integer)) AS w)
+                  AS counted
+            WHERE counted.free_rows <= :window) AS o),
 blockers AS (
     SELECT topic, key, min(seq) AS seq
       FROM window_rows

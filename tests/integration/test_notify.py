@@ -121,7 +121,48 @@ def test_falling_asleep_makes_every_relay_look_once_more(engine: sa.Engine) -> N
         woken = [n.payload for n in second.notifies(timeout=1.0, stop_after=1)]
         assert woken == ["relay"]  # ... so the other is woken ...
         other.idle(0.1)
-        assert other.watching and other.asleep  # ... and takes the watch
+        assert other.watching and not other.asleep  # ... and takes the watch, awake while
+        watcher.away()  # the first relay works (holds the wake lock shared); it stops ...
+        other.idle(0.1)
+        assert other.watching and other.asleep  # ... and now the other sleeps
+
+
+def test_a_relay_that_gets_work_while_the_watcher_sleeps_stops_writers_notifying(
+    engine: sa.Engine,
+) -> None:
+    """The busy relay is refused the shared hold while the watcher sleeps: it tells the
+    watcher, which lets the wake lock go; from the busy relay's next turn on, writers commit
+    without notifying, and the watcher looks again at short pauses instead of sleeping."""
+    with (
+        psycopg.connect(conninfo(engine), autocommit=True) as first,
+        psycopg.connect(conninfo(engine), autocommit=True) as second,
+        psycopg.connect(conninfo(engine), autocommit=True) as listener,
+    ):
+        for conn in (first, second, listener):
+            conn.execute(f'LISTEN "{CHANNEL}"')
+        watcher = fall_asleep(first)
+        worker = WakeUp(second, DEFAULT_SPEC)
+        worker.busy()
+        assert not worker.working  # the watcher sleeps: refused, and told so
+        assert watcher.idle(5.0)  # woken by the notice ...
+        assert watcher.watching and not watcher.asleep  # ... it lets the wake lock go
+        worker.busy()
+        assert worker.working
+        for _ in listener.notifies(timeout=0.2):
+            pass
+        with Outbox(engine).transaction() as tx:
+            tx.publish("orders", b"1")
+        assert writer_notifies(listener, 0.5) == []
+        started = time.monotonic()
+        assert not watcher.idle(5.0)  # no sleep while a relay works: a short pause
+        assert not watcher.idle(5.0) and not watcher.asleep
+        assert time.monotonic() - started < 1.0
+        worker.idle(0.01)  # the worker is done: the watcher may sleep again
+        assert not worker.working
+        deadline = time.monotonic() + 2.0
+        while not watcher.asleep and time.monotonic() < deadline:
+            watcher.idle(0.05)
+        assert watcher.asleep
 
 
 def test_while_the_watcher_cannot_sleep_the_other_relays_do_not_either(engine: sa.Engine) -> None:

@@ -1,0 +1,171 @@
+"""Every way a row becomes sendable wakes an idle relay: an insert, the immediate sender giving
+rows back (a failed send, its order check), ``outbox dead retry``, a prepared message's
+commit and reconciliation's repair. Each is picked up by a sleeping relay whose poll interval
+is 5 s far sooner than that. Real relay loop on a real PostgreSQL, stub publisher."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+
+from outbox.cli import main
+from outbox.immediate import ImmediateSender, SendOutcome
+from outbox.prepared.store import PreparedStore
+from outbox.relay.daemon import Relay
+from outbox.rows import OutboxRows
+from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
+from outbox.spark_jobs.repair import requeue_missing
+from tests.integration.test_relay_loop import StubPublisher, config, wait_for
+from tests.relay_helpers import looping
+
+pytestmark = pytest.mark.integration
+
+#: The relay's poll interval: without a wake-up, a row waits up to this long.
+POLL = 5.0
+#: What the tests assert: far below the poll interval, far above a wake-up's few milliseconds.
+BOUND = 1.0
+
+
+def in_seconds(seconds: float) -> datetime:
+    return datetime.now(UTC) + timedelta(seconds=seconds)
+
+
+def insert_row(engine: sa.Engine, key: str, **columns: object) -> uuid.UUID:
+    """One row of ``key`` with the given column values (an insert, which wakes the relay
+    itself: the tests let it fall asleep again before they act)."""
+    row_id = uuid.uuid4()
+    names = ", ".join(columns)
+    values = ", ".join(f":{name}" for name in columns)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO outbox (id, shard, topic, key, value{', ' if names else ''}{names}) "
+                f"VALUES (:id, :shard, 'wake', :key, :value{', ' if values else ''}{values})"
+            ),
+            {
+                "id": row_id,
+                "shard": shard_of(key.encode(), row_id),
+                "key": key.encode(),
+                "value": b"v",
+                **columns,
+            },
+        )
+    return row_id
+
+
+Path = Callable[[sa.Engine, str], Callable[[], list[uuid.UUID]]]
+
+
+def released_after_a_failed_send(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
+    owner = "immediate-test"
+    row = insert_row(engine, "a", lease_owner=owner, lease_until=in_seconds(3600))
+
+    def act() -> list[uuid.UUID]:
+        rows = OutboxRows(url, DEFAULT_SPEC, owner)
+        try:
+            rows.record_outcome([], released=[row])  # what a failed immediate send does
+        finally:
+            rows.close()
+        return [row]
+
+    return act
+
+
+def released_by_the_order_check(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
+    """An earlier row of the key whose lease ran out (the relay may send it, but nothing woke
+    it when the lease ended) makes the sender's order check give the later row back."""
+    sender = ImmediateSender(url, {"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
+    earlier = insert_row(engine, "b", lease_owner=sender.owner, lease_until=in_seconds(0.2))
+    later = insert_row(engine, "b", lease_owner=sender.owner, lease_until=in_seconds(3600))
+    time.sleep(0.3)  # the earlier row's lease ends
+
+    def act() -> list[uuid.UUID]:
+        try:
+            outcome = SendOutcome()
+            records, _ = sender._clear_to_send([later], outcome)
+            assert records == [] and outcome.left_to_relay == [later]
+        finally:
+            sender.close(5)
+        return [earlier, later]
+
+    return act
+
+
+def dead_retry(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
+    row = insert_row(engine, "c", status="dead", error_kind="message_too_large")
+
+    def act() -> list[uuid.UUID]:
+        result = CliRunner().invoke(main, ["dead", "retry", "--database-url", url, str(row)])
+        assert result.exit_code == 0, result.output
+        return [row]
+
+    return act
+
+
+def prepared_commit(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
+    row = insert_row(
+        engine,
+        "d",
+        status="prepared",
+        prepared_at=in_seconds(0),
+        check_group="g",
+        next_check_at=in_seconds(3600),
+    )
+
+    def act() -> list[uuid.UUID]:
+        with engine.begin() as conn:
+            assert PreparedStore(DEFAULT_SPEC).commit(conn, [row], by="operator") == 1
+        return [row]
+
+    return act
+
+
+def repair(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
+    row = insert_row(
+        engine, "e", status="sent", sent_at=in_seconds(0), kafka_partition=0, kafka_offset=7
+    )
+
+    def act() -> list[uuid.UUID]:
+        assert requeue_missing(engine, DEFAULT_SPEC, [str(row)]) == 1
+        return [row]
+
+    return act
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        released_after_a_failed_send,
+        released_by_the_order_check,
+        dead_retry,
+        prepared_commit,
+        repair,
+    ],
+)
+def test_a_row_made_sendable_wakes_a_sleeping_relay(engine, outbox_url, path: Path) -> None:  # type: ignore[no-untyped-def]
+    stub = StubPublisher(latency=0.002)
+    relay = Relay(config(outbox_url, poll_interval=POLL, rebalance_interval=POLL), publisher=stub)
+    with looping(relay):
+        wait_for(
+            lambda: (
+                relay._ownership is not None
+                and len(relay._ownership.owned) == SHARD_COUNT
+                and relay._wake is not None
+                and relay._wake.asleep
+            )
+        )
+        act = path(engine, outbox_url)
+        time.sleep(0.3)  # the relay looked at the rows written above, and sleeps again
+        assert relay._wake.asleep and not stub.acked
+        started = time.monotonic()
+        expected = set(act())
+        wait_for(lambda: expected <= {r.id for r in stub.acked}, POLL + 2)
+        picked_up = time.monotonic() - started
+    print(f"{path.__name__}: picked up after {picked_up * 1000:.1f} ms")
+    assert picked_up < BOUND, picked_up
