@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 
