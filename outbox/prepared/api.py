@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.errors import ConfigError, NotPrepared
-from outbox.message import EncodedMessage, Message, encode_message
+from outbox.message import NO_KEY, EncodedMessage, Message, NoKey, encode_message
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer, parse_answer
 from outbox.prepared.checkers import validate_group
 from outbox.prepared.store import CHECK, EXPIRED, PRODUCER, UNRESOLVED, PreparedStore
@@ -142,7 +142,7 @@ class PreparedMessages:
         topic: str,
         value: Any = None,
         *,
-        key: KeyLike = None,
+        key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
         group: str | None = None,
@@ -151,7 +151,8 @@ class PreparedMessages:
         """Write a prepared message in a transaction of its own and commit it.
 
         The relay does not see it until :meth:`commit`. The message is validated and
-        serialized as :meth:`outbox.Outbox.publish` does it: bad input raises an
+        serialized as :meth:`outbox.Outbox.publish` does it (``key`` left out means no key;
+        ``key=None`` is refused there too): bad input raises an
         :class:`~outbox.errors.InvalidMessage` subclass (and a bad ``group`` or
         ``check_after`` a :class:`~outbox.errors.ConfigError`) before anything is written.
         """
@@ -163,7 +164,7 @@ class PreparedMessages:
         topic: str,
         value: Any = None,
         *,
-        key: KeyLike = None,
+        key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
         group: str | None = None,
