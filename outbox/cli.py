@@ -371,14 +371,12 @@ def dead_list(
     def run(engine: Any, queries: Any) -> None:
         if by_reason:
             from outbox.failed_rows import dead_rows
-            from outbox.fingerprints import format_groups, group_by_reason
+            from outbox.fingerprints import by_reason_lines
 
             with engine.connect() as conn:
-                groups = group_by_reason(dead_rows(conn, queries, topic))
-            for line in format_groups(groups[:limit], seen="written"):
+                found = dead_rows(conn, queries, topic)
+            for line in by_reason_lines(found, limit, seen="written", noun="dead message(s)"):
                 click.echo(line)
-            total = sum(group.count for group in groups)
-            click.echo(f"{total} dead message(s), {len(groups)} cause(s)")
             return
         with engine.connect() as conn:
             rows = conn.execute(queries["list_dead"], {"topic": topic, "limit": limit}).all()
@@ -444,7 +442,10 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
             with engine.begin() as conn:
                 ids = list(message_ids) or None
                 if reason is not None:
-                    ids = _dead_of_reason(conn, queries, reason, topic)
+                    from outbox.failed_rows import dead_rows
+                    from outbox.fingerprints import ids_of_reason
+
+                    ids = ids_of_reason(dead_rows(conn, queries, topic), reason)
                     if not ids:
                         return 0
                 params = {"ids": ids, "topic": topic}
@@ -458,16 +459,6 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
         click.echo(f"{verb} {count} dead message(s)")
 
     return command
-
-
-def _dead_of_reason(conn: Any, queries: Any, reason: str, topic: str | None) -> list[Any]:
-    """The ids of the dead messages whose cause ``reason`` names (of ``topic``, if given);
-    none when no dead message has that cause any more."""
-    from outbox.failed_rows import dead_rows
-    from outbox.fingerprints import group_by_reason, pick_group
-
-    group = pick_group(group_by_reason(dead_rows(conn, queries, topic)), reason)
-    return group.ids if group is not None else []
 
 
 dead.command("retry", help="Put dead messages back to pending, with a fresh attempt count.")(

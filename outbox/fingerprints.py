@@ -147,6 +147,21 @@ def pick_group(groups: list[ReasonGroup[Id]], reason: str) -> ReasonGroup[Id] | 
     return matching[0] if matching else None
 
 
+def ids_of_reason(rows: Iterable[FailedRow[Id]], reason: str) -> list[Id]:
+    """The ids of the ``rows`` whose cause ``reason`` names (see :func:`pick_group`); none
+    when no row has that cause (any more)."""
+    group = pick_group(group_by_reason(rows), reason)
+    return group.ids if group is not None else []
+
+
+def by_reason_lines(rows: Iterable[FailedRow[Id]], limit: int, seen: str, noun: str) -> list[str]:
+    """What ``--by-reason`` prints: the ``limit`` largest causes of ``rows``
+    (:func:`format_groups`), then how many rows (``noun``) and causes there are."""
+    groups = group_by_reason(rows)
+    total = sum(group.count for group in groups)
+    return [*format_groups(groups[:limit], seen), f"{total} {noun}, {len(groups)} cause(s)"]
+
+
 def format_groups(groups: list[ReasonGroup[Id]], seen: str = "seen") -> list[str]:
     """The lines of ``--by-reason``: one per cause, its pattern, and its latest error as
     written (``seen`` names what the times are: "seen", "written")."""

@@ -20,7 +20,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from outbox.errors import ConfigError
-from outbox.topics import SHORTEST_SAFE_RETENTION_MS, TopicSettings
+from outbox.topics import DEFAULT_REPLICATION_FACTOR, SHORTEST_SAFE_RETENTION_MS, TopicSettings
 
 TIMEOUT = 15.0
 
@@ -178,11 +178,13 @@ class TopicAdmin:
 
 
 def check(
-    states: dict[str, TopicState | None], declared: dict[str, TopicSettings]
+    states: dict[str, TopicState | None], declared: dict[str, TopicSettings], brokers: int
 ) -> list[Finding]:
-    """What is wrong (or risky) with each topic. ``declared`` holds the settings asked for
-    on the command line or in a file (a topic of the table only is checked for health)."""
+    """What is wrong (or risky) with each topic on a cluster of ``brokers`` brokers.
+    ``declared`` holds the settings asked for on the command line or in a file (a topic of
+    the table only is checked for health)."""
     findings = []
+    recommended = min(DEFAULT_REPLICATION_FACTOR, brokers)
     for name, state in states.items():
         if state is None:
             findings.append(Finding(name, "missing", "no such topic: its messages go dead"))
@@ -220,6 +222,16 @@ def check(
                     name,
                     "too few replicas",
                     f"{state.replication_factor} replica(s), {wanted.replication_factor} declared",
+                )
+            )
+        elif state.replication_factor < recommended:
+            findings.append(
+                Finding(
+                    name,
+                    None,
+                    f"{state.replication_factor} replica(s) on a cluster of {brokers} brokers: "
+                    "losing one broker can lose acknowledged messages",
+                    warning=True,
                 )
             )
         if wanted and wanted.partitions and state.partitions != wanted.partitions:

@@ -253,7 +253,7 @@ def check(
     listed, wanted = _names_to_look_at(names, topics_file, database_url, schema, table)
     admin = _admin(bootstrap_servers, kafka_settings)
     states = _kafka_step(lambda: admin.describe(listed))
-    findings = find_problems(states, wanted)
+    findings = find_problems(states, wanted, _kafka_step(admin.brokers))
     width = max(len(name) for name in listed)
     for name in listed:
         state = states[name]

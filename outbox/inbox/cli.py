@@ -340,11 +340,18 @@ def parked_list(
     by_reason: bool,
 ) -> None:
     """List parked messages, newest first (or grouped by cause, the largest group first)."""
-    if by_reason:
-        _parked_by_reason(database_url, inbox_schema, inbox_table, group, topic, limit)
-        return
 
     def run(engine: Any, store: Any) -> None:
+        if by_reason:
+            from outbox.failed_rows import parked_rows
+            from outbox.fingerprints import by_reason_lines
+
+            with engine.connect() as conn:
+                found = parked_rows(conn, store.spec, group, topic)
+            noun = "parked message(s) waiting"
+            for line in by_reason_lines(found, limit, seen="parked", noun=noun):
+                click.echo(line)
+            return
         with engine.connect() as conn:
             rows = store.list_parked(conn, group, topic, limit)
         for row in rows:
@@ -417,7 +424,10 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
             with engine.begin() as conn:
                 ids: list[int] | None = list(parked_ids) or None
                 if reason is not None:
-                    ids = _parked_of_reason(conn, store.spec, reason, group, topic)
+                    from outbox.failed_rows import parked_rows
+                    from outbox.fingerprints import ids_of_reason
+
+                    ids = ids_of_reason(parked_rows(conn, store.spec, group, topic), reason)
                     if not ids:
                         return 0
                 return int(getattr(store, method)(conn, ids, group, topic))
@@ -427,42 +437,6 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
         click.echo(f"{verb} {count} parked message(s)")
 
     return command
-
-
-def _parked_by_reason(
-    database_url: str,
-    inbox_schema: str,
-    inbox_table: str,
-    group: str | None,
-    topic: str | None,
-    limit: int,
-) -> None:
-    """``parked list --by-reason``: the parked messages waiting for an operator, by cause."""
-    from outbox.failed_rows import parked_rows
-    from outbox.fingerprints import format_groups, group_by_reason
-
-    def run(engine: Any, store: Any) -> None:
-        with engine.connect() as conn:
-            groups = group_by_reason(parked_rows(conn, store.spec, group, topic))
-        for line in format_groups(groups[:limit], seen="parked"):
-            click.echo(line)
-        total = sum(g.count for g in groups)
-        click.echo(f"{total} parked message(s) waiting, {len(groups)} cause(s)")
-
-    with _store(database_url, inbox_schema, inbox_table) as (engine, store):
-        run_db_step(lambda: run(engine, store))
-
-
-def _parked_of_reason(
-    conn: Any, spec: Any, reason: str, group: str | None, topic: str | None
-) -> list[int]:
-    """The ids of the parked messages (waiting for an operator) whose cause ``reason``
-    names; none when no parked message has that cause any more."""
-    from outbox.failed_rows import parked_rows
-    from outbox.fingerprints import group_by_reason, pick_group
-
-    found = pick_group(group_by_reason(parked_rows(conn, spec, group, topic)), reason)
-    return [int(i) for i in found.ids] if found is not None else []
 
 
 parked.command(

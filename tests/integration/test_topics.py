@@ -50,6 +50,10 @@ def test_create_describe_and_check_on_the_single_broker(  # type: ignore[no-unty
     too_many = topics("create", *base, "--replication-factor", "3", orders)
     assert too_many.exit_code == 1 and "needs 3 brokers, the cluster has 1" in too_many.output
 
+    tried = topics("create", *base, "--dry-run", orders)
+    assert tried.exit_code == 0 and f"{orders}: would create: 12 partitions" in tried.output
+    assert f"{orders}  MISSING" in topics("describe", *base, orders).output
+
     created = topics("create", *base, "--file", str(declared))
     assert created.exit_code == 0, created.output
     assert f"{orders}: created: 4 partitions, 1 replicas, min.insync.replicas 1" in created.output
@@ -104,6 +108,12 @@ def test_defaults_and_an_under_replicated_topic_on_three_nodes(cluster: KafkaClu
     assert topic_settings(cluster.bootstrap_servers, name)["min.insync.replicas"] == "2"
     healthy = topics("check", *base, name)
     assert healthy.exit_code == 0 and f"{name}  ok" in healthy.output, healthy.output
+    assert "warning" not in healthy.output
+    lone = unique("lone")
+    assert topics("create", *base, "--replication-factor", "1", lone).exit_code == 0
+    risky = topics("check", *base, lone)
+    assert risky.exit_code == 0, risky.output  # a warning, not a failure
+    assert "warning: 1 replica(s) on a cluster of 3 brokers" in risky.output
 
     node = cluster.nodes[-1]
     node.stop()
