@@ -89,7 +89,10 @@ class InboxRunner(Stoppable):
         self.config = config
         self.metrics = metrics or InboxMetrics()
         # Alive while the loop turns; a wait for the database turns it once per backoff.
-        self.health = InboxHealth(stale_after=max(60.0, 2 * config.backoff_max))
+        self.health = InboxHealth(
+            stale_after=max(60.0, 2 * config.backoff_max),
+            database_outage_limit=config.database_outage_limit,
+        )
         self.store = InboxStore(config.spec)
         self.metrics_address: tuple[str, int] | None = None
         self.offsets = Offsets(self.health)
@@ -134,6 +137,7 @@ class InboxRunner(Stoppable):
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
+            self.health.subscribed = True
             self._loop(consumer, engine)
         finally:
             self.health.stopping = True
