@@ -60,14 +60,14 @@ _DONE = {"commit": "committed", "rollback": "rolled back"}
 
 class CheckbackRunner(Stoppable):
     """Runs the checkers of ``registry`` until :meth:`stop` (or SIGTERM with
-    :meth:`install_signal_handlers`): :meth:`stop` finishes the round in hand and records it.
+    :meth:`install_signal_handlers`): :meth:`stop` lets the checks in hand answer and records them.
 
     Embed it in a service with a thread::
 
         runner = CheckbackRunner(registry, CheckbackConfig(database_url=url))
         threading.Thread(target=runner.run, daemon=True).start()
         ...
-        runner.stop()  # finishes the round in hand, records it
+        runner.stop()  # the checks in hand answer, and are recorded
 
     ``store`` and ``engine`` may be given (a stub store for tests without servers).
     """
