@@ -1,12 +1,12 @@
 """The order service of the prepared-message tests, in the seeds' order-creation flow: the
 orders live in a database of their own, the ``OrderCreated`` message is prepared in the
-outbox's database, and a checker looks the order up.
+outbox's database, and the checker answers by the message id the order's transaction
+recorded (docs/prepared-messages.md, "A checker that cannot lie").
 
 ``python -m tests.prepared_app OUTBOX_URL ORDERS_URL TOPIC ORDER_ID with-order|without-order``
 prepares the message, writes the order (or not), prints ``prepared <message id>`` and waits
 to be killed between that and the commit. ``outbox checkback tests.prepared_app:registry``
-checks with :data:`registry`, which reads the orders database from ORDERS_DATABASE_URL and
-how long an order may take from ORDER_TIMEOUT_SECONDS.
+checks with :data:`registry`, which reads the orders database from ORDERS_DATABASE_URL.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from datetime import timedelta
+import uuid
 
 import sqlalchemy as sa
 
 from outbox import Outbox
-from outbox.prepared import COMMIT, ROLLBACK, UNKNOWN, CheckMessage, CheckRegistry, PreparedMessages
+from outbox.prepared import CheckMessage, CheckRegistry, PreparedMessages, StepLog
 
 ORDERS_DDL = """
 CREATE TABLE IF NOT EXISTS orders (
@@ -31,18 +31,24 @@ CREATE TABLE IF NOT EXISTS orders (
 
 #: The producer group the order service prepares its messages under.
 GROUP = "order-service"
+#: Which message each order's transaction happened with.
+STEPS = StepLog()
 
 
 def create_orders_table(orders_url: str) -> sa.Engine:
     engine = sa.create_engine(orders_url)
     with engine.begin() as conn:
         conn.exec_driver_sql(ORDERS_DDL)
+    STEPS.create(engine)
     return engine
 
 
-def place_order(orders: sa.Engine, order_id: int, total: str = "19.90") -> None:
-    """The business step: the order, committed in the orders database."""
+def place_order(
+    orders: sa.Engine, order_id: int, message_id: uuid.UUID, total: str = "19.90"
+) -> None:
+    """The business step: the order and its message id, committed in the orders database."""
     with orders.begin() as conn:
+        STEPS.record(conn, message_id)
         conn.execute(
             sa.text("INSERT INTO orders (id, total) VALUES (:id, :total)"),
             {"id": order_id, "total": total},
@@ -55,14 +61,11 @@ def order_exists(orders: sa.Engine, order_id: int) -> bool:
         return found.first() is not None
 
 
-def order_checker(orders: sa.Engine, order_timeout: timedelta):  # type: ignore[no-untyped-def]
-    """``checkLocalTransaction`` of the order service: the order is there, so COMMIT; it is
-    not, and the order's transaction would have ended by now, so ROLLBACK; else UNKNOWN."""
+def order_checker(orders: sa.Engine):  # type: ignore[no-untyped-def]
+    """``checkLocalTransaction`` of the order service: by the message id, never the order id."""
 
     def check(message: CheckMessage) -> str:
-        if order_exists(orders, message.value["order_id"]):
-            return COMMIT
-        return ROLLBACK if message.age > order_timeout else UNKNOWN
+        return STEPS.answer(orders, message)
 
     return check
 
@@ -70,9 +73,7 @@ def order_checker(orders: sa.Engine, order_timeout: timedelta):  # type: ignore[
 def _check_from_environment(message: CheckMessage) -> str:
     global _checker
     if _checker is None:
-        orders = sa.create_engine(os.environ["ORDERS_DATABASE_URL"])
-        timeout = timedelta(seconds=float(os.environ.get("ORDER_TIMEOUT_SECONDS", "1")))
-        _checker = order_checker(orders, timeout)
+        _checker = order_checker(sa.create_engine(os.environ["ORDERS_DATABASE_URL"]))
     answer: str = _checker(message)
     return answer
 
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> None:
         topic, {"type": "OrderCreated", "order_id": int(order_id)}, key=int(order_id)
     )
     if mode == "with-order":
-        place_order(sa.create_engine(orders_url), int(order_id))
+        place_order(sa.create_engine(orders_url), int(order_id), message.message_id)
     print(f"prepared {message.message_id}", flush=True)
     time.sleep(600)  # killed here: the order may be written, the message is not committed
 

@@ -198,7 +198,9 @@ class _Ledger:
     def parked(self, item: Item, reason: str, error: str) -> None:
         self.result.parked += 1
         self.parked_topics.append((item.record.topic, reason))
-        if item.identity is not None:
+        # Only a handler's failure: an id whose copy could not even be decoded may be
+        # applied from another copy (the fast way has claimed it already).
+        if item.identity is not None and reason == HANDLER_FAILED:
             self.unsettled.setdefault(item.identity, (item, (reason, error)))
         self.done(item)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from outbox.errors import ConfigError
 from outbox.inbox.schema import InboxTableSpec
+from outbox.outages import DATABASE_OUTAGE_LIMIT
 
 #: Environment variables OUTBOX_KAFKA_<NAME> become Kafka settings, by the relay's rule:
 #: OUTBOX_KAFKA_SASL_PASSWORD -> sasl.password; a double underscore stands for a literal one.
@@ -51,6 +52,9 @@ class ConsumerConfig:
     purge_interval: float = 3600.0
     #: Seconds between looks for parked messages an operator asked to retry.
     requeue_interval: float = 5.0
+    #: Seconds the database may stay out of reach before /healthz reports the consumer
+    #: unhealthy (/readyz does at once).
+    database_outage_limit: float = DATABASE_OUTAGE_LIMIT
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 
@@ -70,6 +74,8 @@ class ConsumerConfig:
             raise ConfigError("max attempts must be at least 1")
         if self.backoff_base <= 0 or self.backoff_max < self.backoff_base:
             raise ConfigError("backoff base must be positive and at most the backoff maximum")
+        if not 0 < self.database_outage_limit <= 86400:
+            raise ConfigError("the database outage limit must be positive, at most a day")
         if self.retention is not None and self.retention <= timedelta(0):
             raise ConfigError("retention must be positive")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

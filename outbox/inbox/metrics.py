@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox.loops import LoopHealth
+from outbox.outages import DATABASE_OUTAGE_LIMIT, DatabaseOutage
 
 
 class InboxMetrics:
@@ -88,12 +89,21 @@ class InboxMetrics:
 KAFKA_CALL_LIMIT = 5.0
 
 
-class InboxHealth(LoopHealth):
-    """What the health endpoints report; the runner updates it. Ready also needs Kafka."""
+class InboxHealth(DatabaseOutage, LoopHealth):
+    """What the health endpoints report; the runner updates it. Ready also needs Kafka (once
+    the consumer is subscribed; before that, and until the group gives it partitions, it
+    says so rather than blame Kafka). Not alive when the database has been out of reach for
+    ``database_outage_limit`` seconds."""
 
-    def __init__(self, stale_after: float = 60.0) -> None:
+    def __init__(
+        self, stale_after: float = 60.0, database_outage_limit: float = DATABASE_OUTAGE_LIMIT
+    ) -> None:
         super().__init__(stale_after)
-        self._kafka_ok = False
+        self.database_outage_limit = database_outage_limit
+        #: None until Kafka first answered (an assignment, an offset commit) or failed.
+        self._kafka_ok: bool | None = None
+        #: Set once the consumer subscribed (after the database answered).
+        self.subscribed = False
         #: When the blocking Kafka call in progress began (None: none in progress).
         self.kafka_call_since: float | None = None
 
@@ -101,11 +111,23 @@ class InboxHealth(LoopHealth):
     def kafka_ok(self) -> bool:
         """Kafka answered last time, and no call to it has been blocking for long."""
         since = self.kafka_call_since
-        return self._kafka_ok and (since is None or time.monotonic() - since < KAFKA_CALL_LIMIT)
+        return self._kafka_ok is True and (
+            since is None or time.monotonic() - since < KAFKA_CALL_LIMIT
+        )
 
     @kafka_ok.setter
     def kafka_ok(self, value: bool) -> None:
         self._kafka_ok = value
 
+    def alive_problems(self) -> list[str]:
+        return super().alive_problems() + self.database_outage_problems()
+
     def ready_problems(self) -> list[str]:
-        return super().ready_problems() + ([] if self.kafka_ok else ["Kafka out of reach"])
+        problems = super().ready_problems()
+        if not self.subscribed:
+            return [*problems, "not subscribed yet"]
+        if self.kafka_ok:
+            return problems
+        if self._kafka_ok is None and self.kafka_call_since is None:
+            return [*problems, "joining the consumer group"]
+        return [*problems, "Kafka out of reach"]

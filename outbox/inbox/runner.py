@@ -32,7 +32,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -47,7 +47,7 @@ from outbox.inbox.apply import BatchResult, DatabaseUnavailable, Failure, Item, 
 from outbox.inbox.config import ConsumerConfig
 from outbox.inbox.metrics import InboxHealth, InboxMetrics
 from outbox.inbox.offsets import Offsets
-from outbox.inbox.sessions import AsyncApplier, SyncApplier
+from outbox.inbox.sessions import AsyncApplier, BatchApplier, SyncApplier
 from outbox.inbox.store import InboxStore
 from outbox.loops import Stoppable
 
@@ -74,12 +74,24 @@ class InboxRunner(Stoppable):
         threading.Thread(target=runner.run).start()
         ...
         runner.stop()  # finishes the batch in hand, commits, leaves the group
+
+    ``store``, ``engine``, ``applier`` and ``consumer_factory`` (called with the Kafka
+    settings, ``confluent_kafka.Consumer`` by default) may be given: stand-ins for tests of
+    the loop without servers.
     """
 
     health: InboxHealth
 
     def __init__(
-        self, inbox: Inbox, config: ConsumerConfig, *, metrics: InboxMetrics | None = None
+        self,
+        inbox: Inbox,
+        config: ConsumerConfig,
+        *,
+        metrics: InboxMetrics | None = None,
+        store: InboxStore | None = None,
+        engine: sa.Engine | None = None,
+        applier: BatchApplier | None = None,
+        consumer_factory: Callable[[dict[str, Any]], Consumer] = Consumer,
     ) -> None:
         if not isinstance(inbox, Inbox):
             raise ConfigError(f"expected an outbox.inbox.Inbox, got {type(inbox).__name__}")
@@ -89,8 +101,14 @@ class InboxRunner(Stoppable):
         self.config = config
         self.metrics = metrics or InboxMetrics()
         # Alive while the loop turns; a wait for the database turns it once per backoff.
-        self.health = InboxHealth(stale_after=max(60.0, 2 * config.backoff_max))
-        self.store = InboxStore(config.spec)
+        self.health = InboxHealth(
+            stale_after=max(60.0, 2 * config.backoff_max),
+            database_outage_limit=config.database_outage_limit,
+        )
+        self.store = store or InboxStore(config.spec)
+        self._engine = engine
+        self._given_applier = applier
+        self._consumer_factory = consumer_factory
         self.metrics_address: tuple[str, int] | None = None
         self.offsets = Offsets(self.health)
         self._stop = threading.Event()
@@ -98,7 +116,7 @@ class InboxRunner(Stoppable):
         self._waiting: dict[TP, float] = {}  # paused partitions and when they resume
         self._assigned: set[TP] = set()
         self._database: ThreadPoolExecutor | None = None  # the thread that applies batches
-        self._applier: SyncApplier | AsyncApplier | None = None
+        self._applier: BatchApplier | None = None
         self._in_hand: Future[BatchResult | None] | None = None  # the batch being applied
 
     # -- the loop -----------------------------------------------------------------------------
@@ -119,21 +137,24 @@ class InboxRunner(Stoppable):
         return 0
 
     def _run(self) -> None:
-        engine = sa.create_engine(self.config.database_url, pool_pre_ping=True)
+        engine = self._engine or sa.create_engine(self.config.database_url, pool_pre_ping=True)
         self._database = ThreadPoolExecutor(1, thread_name_prefix="inbox-database")
         consumer: Consumer | None = None
         try:
-            if not self.wait_for_database(lambda: self._tables_problem(engine), self._backoff, log):
+            if not self.wait_for_database(lambda: self.store.problem(engine), self._backoff, log):
                 return
             # Made on the database thread: an async applier's event loop lives there.
-            self._applier = self._database.submit(self._make_applier, engine).result()
-            consumer = Consumer(self._kafka_settings())
+            self._applier = (
+                self._given_applier or self._database.submit(self._make_applier, engine).result()
+            )
+            consumer = self._consumer_factory(self._kafka_settings())
             consumer.subscribe(
                 self.inbox.topics,
                 on_assign=self._on_assign,
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
+            self.health.subscribed = True
             self._loop(consumer, engine)
         finally:
             self.health.stopping = True
@@ -143,7 +164,8 @@ class InboxRunner(Stoppable):
             if self._applier is not None:
                 self._database.submit(self._applier.close).result()
             self._database.shutdown()
-            engine.dispose()
+            if self._engine is None:
+                engine.dispose()
 
     def _leave(self, consumer: Consumer) -> None:
         """Commit what is applied and leave the group, for at most LEAVE_TIMEOUT seconds.
@@ -369,10 +391,6 @@ class InboxRunner(Stoppable):
             return
         if deleted:
             log.info("inbox rows purged", extra={"deleted": deleted})
-
-    def _tables_problem(self, engine: sa.Engine) -> str | None:
-        with engine.connect() as conn:
-            return self.store.check(conn)
 
     def _backoff(self, attempts: int) -> float:
         ceiling = min(self.config.backoff_max, self.config.backoff_base * 2 ** (attempts - 1))

@@ -134,6 +134,11 @@ class _Applying:
             raise database_error(exc) from exc
 
 
+#: What the runner applies batches with: :class:`SyncApplier`, :class:`AsyncApplier`, or a
+#: stand-in for tests without a database.
+BatchApplier = _Applying
+
+
 class SyncApplier(_Applying):
     """Applies batches with plain handlers, each given the batch's ``Session``."""
 

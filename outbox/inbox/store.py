@@ -201,6 +201,11 @@ class InboxStore:
             if deleted < batch_size:
                 return total
 
+    def problem(self, engine: sa.Engine) -> str | None:
+        """:meth:`check` on a connection of its own."""
+        with engine.connect() as conn:
+            return self.check(conn)
+
     def check(self, conn: Any) -> str | None:
         """Why the runner cannot use these tables, or None when it can."""
         found = conn.execute(

@@ -14,8 +14,11 @@ asks the checker registered for the message. See docs/prepared-messages.md.
 
     registry = CheckRegistry()  # run with `outbox checkback myapp.checks:registry`
 
+    steps = StepLog()  # the step records its message id: steps.record(conn, message_id)
+
     @registry.checker("orders")
-    def order_exists(message: CheckMessage) -> Answer: ...
+    def order_created(message: CheckMessage) -> Answer:
+        return steps.answer(orders_db, message)
 
 The runner (:class:`CheckbackRunner`, :class:`CheckbackMetrics`) loads the Prometheus client
 on first use, so a service that only prepares messages does not.
@@ -29,6 +32,7 @@ from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer
 from outbox.prepared.api import Prepared, PreparedMessages, TransactionResult
 from outbox.prepared.checkers import CheckMessage, CheckRegistry, load_registry
 from outbox.prepared.config import DEAD_AT_MAX, ROLLBACK_AT_MAX, CheckbackConfig
+from outbox.prepared.steps import StepAbandoned, StepLog, bound_step
 
 if TYPE_CHECKING:
     from outbox.prepared.metrics import CheckbackMetrics
@@ -48,7 +52,10 @@ __all__ = [
     "CheckbackRunner",
     "Prepared",
     "PreparedMessages",
+    "StepAbandoned",
+    "StepLog",
     "TransactionResult",
+    "bound_step",
     "load_registry",
 ]
 

@@ -12,6 +12,7 @@ process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import queue
 import threading
@@ -41,13 +42,26 @@ class CheckOutcome:
 
 
 class CheckCalls:
-    """Runs a round of checks at once, one thread each, and waits ``timeout`` seconds at most
-    for their answers. ``checker_for(group)`` gives the checker of a check group."""
+    """Runs checks, one thread each, and waits ``timeout`` seconds at most for each answer.
+    ``checker_for(group)`` gives the checker of a check group.
+
+    Checks are started with :meth:`start` and their outcomes taken with :meth:`collect` as
+    they come, so that a slow checker holds only its own slot: the runner starts the next
+    messages' checks while it runs. :meth:`run` does both for one set of messages."""
 
     def __init__(self, checker_for: Callable[[str], Any], timeout: float) -> None:
         self.checker_for = checker_for
         self.timeout = timeout
         self._abandoned: list[tuple[str, threading.Thread]] = []
+        self._answers: queue.Queue[tuple[int, str, str | None, float]] = queue.Queue()
+        # Checks started and not collected yet: their message, thread and deadline.
+        self._running: dict[int, tuple[CheckMessage, threading.Thread, float]] = {}
+        self._next_key = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Checks started whose outcome was not collected yet."""
+        return len(self._running)
 
     @property
     def hung(self) -> int:
@@ -62,49 +76,72 @@ class CheckCalls:
             counts[group] = counts.get(group, 0) + 1
         return counts
 
-    def run(self, messages: Sequence[CheckMessage]) -> list[CheckOutcome]:
-        """Ask the checker of each message, all at once; the outcomes in the same order."""
-        answers: queue.Queue[tuple[int, str, str | None, float]] = queue.Queue()
-        threads = [
-            threading.Thread(
+    def start(self, messages: Sequence[CheckMessage]) -> list[CheckOutcome]:
+        """Start a check of each message, each in a thread of its own; returns the outcomes
+        of those that could not even start (an error check each)."""
+        failed: list[CheckOutcome] = []
+        for message in messages:
+            key, self._next_key = self._next_key, self._next_key + 1
+            thread = threading.Thread(
                 target=self._call,
-                args=(index, message, answers),
+                args=(key, message),
                 name=f"checkback-{message.id}",
                 daemon=True,  # a hung checker must not keep the process from exiting
             )
-            for index, message in enumerate(messages)
-        ]
-        started = time.monotonic()
-        got: dict[int, CheckOutcome] = {}
-        for index, thread in enumerate(threads):
             try:
                 thread.start()
             except Exception as exc:  # RuntimeError: can't start new thread
-                failed = f"could not run the checker: {type(exc).__name__}: {exc}"
-                got[index] = CheckOutcome(messages[index], ERROR, failed, 0.0)
-        deadline = started + self.timeout
-        while len(got) < len(messages):
+                error = f"could not run the checker: {type(exc).__name__}: {exc}"
+                failed.append(CheckOutcome(message, ERROR, error, 0.0))
+                continue
+            self._running[key] = (message, thread, time.monotonic() + self.timeout)
+        return failed
+
+    def collect(self, wait: float) -> list[CheckOutcome]:
+        """The outcomes of the checks that answered or timed out: waits up to ``wait``
+        seconds (no longer than the next check's deadline) for the first one when none is
+        there yet, then takes all there are."""
+        outcomes: list[CheckOutcome] = []
+        if self._running:
+            nearest = min(deadline for _, _, deadline in self._running.values())
+            block = max(0.0, min(wait, nearest - time.monotonic()))
+            with contextlib.suppress(queue.Empty):
+                outcomes.extend(self._outcome(*self._answers.get(timeout=block)))
+        while True:
             try:
-                index, answer, error, seconds = answers.get(
-                    timeout=max(0.0, deadline - time.monotonic())
-                )
+                outcomes.extend(self._outcome(*self._answers.get_nowait()))
             except queue.Empty:
                 break
-            got[index] = CheckOutcome(messages[index], answer, error, seconds)
-        for index, message in enumerate(messages):
-            if index not in got:
-                self._abandoned.append((message.group, threads[index]))
-                got[index] = CheckOutcome(
-                    message, TIMEOUT, f"no answer within {self.timeout:g}s", self.timeout
+        now = time.monotonic()
+        for key, (message, thread, deadline) in list(self._running.items()):
+            if deadline <= now:
+                del self._running[key]
+                self._abandoned.append((message.group, thread))
+                outcomes.append(
+                    CheckOutcome(
+                        message, TIMEOUT, f"no answer within {self.timeout:g}s", self.timeout
+                    )
                 )
-        return [got[index] for index in range(len(messages))]
+        return outcomes
 
-    def _call(
-        self,
-        index: int,
-        message: CheckMessage,
-        answers: queue.Queue[tuple[int, str, str | None, float]],
-    ) -> None:
+    def run(self, messages: Sequence[CheckMessage]) -> list[CheckOutcome]:
+        """Ask the checker of each message, all at once, and wait for every outcome (at
+        most the timeout); the outcomes in the messages' order."""
+        outcomes = self.start(messages)
+        while self._running:
+            outcomes += self.collect(self.timeout)
+        order = {id(message): index for index, message in enumerate(messages)}
+        return sorted(outcomes, key=lambda outcome: order[id(outcome.message)])
+
+    def _outcome(
+        self, key: int, answer: str, error: str | None, seconds: float
+    ) -> list[CheckOutcome]:
+        running = self._running.pop(key, None)
+        if running is None:  # timed out already: its late answer is dropped
+            return []
+        return [CheckOutcome(running[0], answer, error, seconds)]
+
+    def _call(self, key: int, message: CheckMessage) -> None:
         started = time.perf_counter()
         try:
             raw = self.checker_for(message.group)(message)
@@ -113,4 +150,4 @@ class CheckCalls:
             answer, error = parse_answer(raw, f"the checker of {message.group!r}").value, None
         except Exception as exc:
             answer, error = ERROR, f"{type(exc).__name__}: {exc}"
-        answers.put((index, answer, error, time.perf_counter() - started))
+        self._answers.put((key, answer, error, time.perf_counter() - started))

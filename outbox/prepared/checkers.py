@@ -5,14 +5,16 @@ producer never said COMMIT or ROLLBACK, it looks at the business step (an order 
 database, a payment at a provider) and answers::
 
     registry = CheckRegistry()
+    steps = StepLog()  # the order's transaction ran steps.record(conn, message_id)
 
     @registry.checker("orders")
-    def order_exists(message: CheckMessage) -> Answer:
-        with orders_engine.connect() as conn:
-            found = conn.execute(select(orders.c.id).where(orders.c.id == message.value["id"]))
-        if found.first() is not None:
-            return COMMIT
-        return ROLLBACK if message.age > ORDER_TIMEOUT else UNKNOWN
+    def order_created(message: CheckMessage) -> Answer:
+        return steps.answer(orders_engine, message)
+
+A checker answers by the message id the step recorded, never by a business key (a retried
+step would get the first attempt's COMMIT), and answers ROLLBACK only once the step can no
+longer happen, never because "it should have ended by now" (see
+:mod:`outbox.prepared.steps`). An exception or a timeout is no answer: checked again later.
 
 The check-back runner (``outbox checkback myapp.checks:registry``, or
 :class:`~outbox.prepared.CheckbackRunner` embedded) runs in the service, next to the code

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from outbox.errors import ConfigError
+from outbox.outages import DATABASE_OUTAGE_LIMIT
 from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
 
 #: How a message ends when check-back gives up on it (``on_max_checks``): dead for an operator
@@ -47,13 +48,16 @@ class CheckbackConfig:
     #: Checker calls past their timeout that may pile up before /healthz reports the runner
     #: unhealthy (a supervisor then restarts it).
     max_hung_checks: int = 16
+    #: Seconds the database may stay out of reach before /healthz reports the runner
+    #: unhealthy (/readyz does at once).
+    database_outage_limit: float = DATABASE_OUTAGE_LIMIT
     #: Seconds between counts of the prepared messages (the ``prepared`` gauges).
     count_interval: float = 10.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        for name in ("check_timeout", "poll_interval", "count_interval"):
+        for name in ("check_timeout", "poll_interval", "count_interval", "database_outage_limit"):
             if not getattr(self, name) <= MAX_SHORT_SECONDS:
                 raise ConfigError(f"{name} must be at most {MAX_SHORT_SECONDS:g} s (a day)")
         for name in ("check_interval", "backoff_max"):
@@ -63,8 +67,10 @@ class CheckbackConfig:
             raise ConfigError("the check timeout must be positive")
         if not 1 <= self.concurrency <= 256:
             raise ConfigError("concurrency must be between 1 and 256")
-        if self.poll_interval <= 0 or self.count_interval <= 0:
-            raise ConfigError("the poll and count intervals must be positive")
+        if self.poll_interval <= 0 or self.count_interval <= 0 or self.database_outage_limit <= 0:
+            raise ConfigError(
+                "the poll and count intervals and the database outage limit must be positive"
+            )
         if self.check_interval <= 0 or self.backoff_max < self.check_interval:
             raise ConfigError("the check interval must be positive and at most the backoff max")
         if self.max_checks < 1:

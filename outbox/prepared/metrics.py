@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox.loops import LoopHealth
+from outbox.outages import DATABASE_OUTAGE_LIMIT, DatabaseOutage
 
 
 class CheckbackMetrics:
@@ -71,15 +72,22 @@ class CheckbackMetrics:
         )
 
 
-class CheckbackHealth(LoopHealth):
+class CheckbackHealth(DatabaseOutage, LoopHealth):
     """What the health endpoints report; the runner updates it. Not alive either when
-    ``max_hung`` checker calls have timed out and still not returned."""
+    ``max_hung`` checker calls have timed out and still not returned, or when the database
+    has been out of reach for ``database_outage_limit`` seconds."""
 
-    def __init__(self, stale_after: float, max_hung: int) -> None:
+    def __init__(
+        self,
+        stale_after: float,
+        max_hung: int,
+        database_outage_limit: float = DATABASE_OUTAGE_LIMIT,
+    ) -> None:
         super().__init__(stale_after)
         self.max_hung = max_hung
         self.hung = 0
+        self.database_outage_limit = database_outage_limit
 
     def alive_problems(self) -> list[str]:
         hung = [f"{self.hung} checks hung"] if self.hung >= self.max_hung else []
-        return super().alive_problems() + hung
+        return super().alive_problems() + hung + self.database_outage_problems()

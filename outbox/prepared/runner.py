@@ -6,19 +6,22 @@ need the service's code and its credentials to the systems they look at (a secon
 a payment provider), which the relay's image and role should not carry. The relay needs no
 change at all: it never sees a prepared row.
 
-One round:
+The loop, turn by turn (a check slot is freed as soon as its checker answers, so a slow
+checker never holds back the checks of the messages behind it):
 
-1. lease up to ``concurrency`` prepared rows whose check is due, of the groups this registry
-   has checkers for (``FOR UPDATE SKIP LOCKED``, then a lease of ``lease_seconds``), so that
-   several runners share the work and each message is checked by one runner at a time;
-2. ask their checkers at once, each in a thread bounded by ``check_timeout``
+1. lease as many prepared rows whose check is due as there are free check slots (of
+   ``concurrency``), of the groups this registry has checkers for (``FOR UPDATE SKIP
+   LOCKED``, then a lease of ``lease_seconds``), so that several runners share the work and
+   each message is checked by one runner at a time;
+2. start their checkers, each in a thread bounded by ``check_timeout``
    (:mod:`outbox.prepared.calls`): a hung checker costs its check, never the loop; a group
    with ``max_hung_checks`` calls hung is not claimed until they return (a message that
    cannot even be decoded costs its check as an error);
-3. record every check (count, time, answer or error) and act on it, in one transaction:
-   COMMIT makes the message pending, ROLLBACK rolls it back; UNKNOWN, an error or a timeout
-   schedules the next check with backoff, and after ``max_checks`` of them the message ends
-   rolled back or dead, as configured.
+3. record the checks that answered (or timed out) since the last turn, and act on them, in
+   one transaction: COMMIT makes the message pending, ROLLBACK rolls it back; UNKNOWN, an
+   error or a timeout schedules the next check with backoff, and after ``max_checks`` of
+   them the message ends dead for an operator, or rolled back when so configured and every
+   check answered UNKNOWN (a failed check says nothing about the step).
 
 A runner that dies mid-round leaves its rows leased; once the lease runs out another runner
 (or its restart) checks them again. A round recorded after the producer decided the message
@@ -57,14 +60,14 @@ _DONE = {"commit": "committed", "rollback": "rolled back"}
 
 class CheckbackRunner(Stoppable):
     """Runs the checkers of ``registry`` until :meth:`stop` (or SIGTERM with
-    :meth:`install_signal_handlers`): :meth:`stop` finishes the round in hand and records it.
+    :meth:`install_signal_handlers`): :meth:`stop` lets the checks in hand answer and records them.
 
     Embed it in a service with a thread::
 
         runner = CheckbackRunner(registry, CheckbackConfig(database_url=url))
         threading.Thread(target=runner.run, daemon=True).start()
         ...
-        runner.stop()  # finishes the round in hand, records it
+        runner.stop()  # the checks in hand answer, and are recorded
 
     ``store`` and ``engine`` may be given (a stub store for tests without servers).
     """
@@ -92,14 +95,17 @@ class CheckbackRunner(Stoppable):
         self.store = store or PreparedStore(config.spec)
         self.owner = f"checkback-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.calls = CheckCalls(registry.checkers.__getitem__, config.check_timeout)
-        # A round lasts up to the check timeout, between two ticks.
+        # A turn lasts up to the poll interval, the stopping one up to the check timeout.
         self.health = CheckbackHealth(
             stale_after=max(60.0, 3 * config.check_timeout + 2 * DATABASE_BACKOFF_MAX),
             max_hung=config.max_hung_checks,
+            database_outage_limit=config.database_outage_limit,
         )
         self.metrics_address: tuple[str, int] | None = None
         self._engine = engine
         self._stop = threading.Event()
+        # Error checks of claimed rows that never reached a checker, to record next.
+        self._unreadable: list[CheckOutcome] = []
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -130,31 +136,59 @@ class CheckbackRunner(Stoppable):
         return 0
 
     def run_once(self, engine: sa.Engine) -> int:
-        """One round: claim due rows, check them, record the checks. Returns how many rows
-        were checked (0: none was due)."""
-        groups = self._groups_to_check()
+        """One round in full: claim due rows, check them, record every check (waiting for
+        the slowest, at most the check timeout). Returns how many rows were claimed (0: none
+        was due). The loop does not wait so: see :meth:`_turn`."""
+        claimed = self._start_checks(engine)
+        while self.calls.in_flight:
+            self._record(engine, self.calls.collect(self.config.check_timeout))
+        return claimed
+
+    def _turn(self, engine: sa.Engine) -> bool:
+        """One turn of the loop: claim due rows for the free check slots and start their
+        checks, then record the checks that answered (waiting up to ``poll_interval`` for
+        the first while some are running). A slow checker holds only its own slot. Returns
+        whether anything was claimed or recorded."""
+        claimed = self._start_checks(engine)
+        wait = 0.0 if claimed else self.config.poll_interval
+        outcomes = self.calls.collect(wait)
+        self._record(engine, outcomes)
+        return bool(claimed or outcomes)
+
+    def _start_checks(self, engine: sa.Engine) -> int:
+        """Claim up to the free check slots' worth of due rows and start their checks (a
+        row that cannot be decoded is an error check at once). Returns how many."""
+        free = self.config.concurrency - self.calls.in_flight
+        groups = self._groups_to_check() if free > 0 else []
         if not groups:
             return 0
         rows = self.store.claim_due(
             engine,
             self.owner,
             groups,
-            self.config.concurrency,
+            free,
             self.config.lease_seconds,
         )
         if not rows:
             return 0
         messages: list[CheckMessage] = []
-        unreadable: list[CheckOutcome] = []
         for row in rows:
             try:
                 messages.append(self.registry.message(row))
             except Exception as exc:  # the deserializer's: an error check of this message
                 error = f"could not decode the message: {type(exc).__name__}: {exc}"
-                unreadable.append(
+                self._unreadable.append(
                     CheckOutcome(self.registry.message(row, decode=False), ERROR, error, 0.0)
                 )
-        outcomes = unreadable + self.calls.run(messages)
+        self._unreadable += self.calls.start(messages)
+        return len(rows)
+
+    def _record(self, engine: sa.Engine, outcomes: list[CheckOutcome]) -> None:
+        """Record checks and act on their answers (with the error checks of rows that could
+        not be decoded or checked)."""
+        outcomes, self._unreadable = self._unreadable + outcomes, []
+        if not outcomes:
+            return
         records = [
             CheckRecord(
                 outcome.message.id,
@@ -168,7 +202,6 @@ class CheckbackRunner(Stoppable):
             engine, self.owner, records, self.config.max_checks, self.config.end_status
         )
         self._observe(outcomes, recorded)
-        return len(rows)
 
     def _groups_to_check(self) -> list[str]:
         """The groups whose messages are claimed this round: not those with
@@ -194,7 +227,7 @@ class CheckbackRunner(Stoppable):
                 if time.monotonic() >= next_count:
                     next_count = time.monotonic() + self.config.count_interval
                     self._count(engine)
-                checked = self.run_once(engine)
+                busy = self._turn(engine)
             except (sa.exc.DBAPIError, OSError) as exc:
                 self.health.database_ok = False
                 outage += 1
@@ -212,8 +245,22 @@ class CheckbackRunner(Stoppable):
                 continue
             outage = 0
             self.health.database_ok = True
-            if not checked:
+            if not busy and not self.calls.in_flight:
                 self._stop.wait(self.config.poll_interval)
+        self._finish(engine)
+
+    def _finish(self, engine: sa.Engine) -> None:
+        """Stopping: wait for the checks in hand (at most the check timeout) and record them;
+        what cannot be recorded is checked again once its lease runs out."""
+        try:
+            while self.calls.in_flight:
+                self._record(engine, self.calls.collect(self.config.check_timeout))
+            self._record(engine, [])
+        except (sa.exc.DBAPIError, OSError) as exc:
+            log.warning(
+                "could not record the last checks: they are made again after their lease",
+                extra={"error": str(exc).splitlines()[0]},
+            )
 
     def _observe(self, outcomes: list[CheckOutcome], recorded: Recorded) -> None:
         m = self.metrics

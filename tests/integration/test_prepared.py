@@ -417,7 +417,6 @@ def start_checkback_process(outbox_url: str, orders_url: str, *args: str) -> Rel
         **os.environ,
         "OUTBOX_DATABASE_URL": outbox_url,
         "ORDERS_DATABASE_URL": orders_url,
-        "ORDER_TIMEOUT_SECONDS": "1",
         "OUTBOX_CHECKBACK_POLL_INTERVAL": "0.1",
         "OUTBOX_CHECKBACK_CHECK_INTERVAL": "0.2",
         "OUTBOX_CHECKBACK_BACKOFF_MAX": "0.5",

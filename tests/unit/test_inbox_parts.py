@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -177,6 +178,7 @@ def test_kafka_counts_as_out_of_reach_while_a_commit_blocks_past_the_limit() -> 
     from outbox.inbox.metrics import KAFKA_CALL_LIMIT, InboxHealth
 
     health = InboxHealth()
+    health.subscribed = True
     health.kafka_ok = True
     health.database_ok = True
     health.kafka_call_since = time.monotonic()
@@ -186,3 +188,46 @@ def test_kafka_counts_as_out_of_reach_while_a_commit_blocks_past_the_limit() -> 
     assert "Kafka out of reach" in health.not_ready_because()
     health.kafka_call_since = None
     assert health.kafka_ok
+
+
+def test_readyz_names_only_what_is_out_of_reach() -> None:
+    from outbox.inbox.metrics import InboxHealth
+
+    health = InboxHealth()
+    # Waiting for the database at start: Kafka was never asked, so it is not blamed.
+    assert health.not_ready_because() == "database out of reach, not subscribed yet"
+    health.database_ok = True
+    health.subscribed = True
+    assert health.not_ready_because() == "joining the consumer group"
+    health.kafka_ok = True  # partitions assigned
+    assert health.ready
+    health.kafka_ok = False  # all brokers down
+    assert health.not_ready_because() == "Kafka out of reach"
+
+
+@pytest.mark.parametrize("kind", ["inbox", "checkback"])
+def test_healthz_turns_unhealthy_once_the_database_is_out_of_reach_past_the_limit(
+    kind: str,
+) -> None:
+    import time
+
+    from outbox.inbox.metrics import InboxHealth
+    from outbox.prepared.metrics import CheckbackHealth
+
+    limit = 0.2
+    health: Any = (
+        InboxHealth(database_outage_limit=limit)
+        if kind == "inbox"
+        else CheckbackHealth(stale_after=60, max_hung=4, database_outage_limit=limit)
+    )
+    assert health.alive  # never reached yet, not for long
+    time.sleep(limit + 0.05)
+    assert not health.alive  # never reached since the start, past the limit
+    assert health.not_alive_because().startswith("database out of reach for ")
+    health.database_ok = True
+    assert health.alive
+    health.database_ok = False
+    health.database_ok = False  # still down: the outage counts from its first moment
+    assert health.alive
+    time.sleep(limit + 0.05)
+    assert not health.alive

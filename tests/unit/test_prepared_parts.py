@@ -456,3 +456,56 @@ def test_the_age_is_the_database_clocks_at_claim(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(checkers, "datetime", SkewedClock)
     assert message(age_seconds=90.0).age == timedelta(seconds=90)
     assert message().age > timedelta(hours=23)  # made by hand: this host's clock
+
+
+def test_a_slow_checker_holds_only_its_own_slot() -> None:
+    """The next messages are checked, and recorded, while one checker is still running:
+    the loop does not wait for a round's slowest checker."""
+    release = threading.Event()
+    registry = CheckRegistry()
+    registry.add_checker(lambda m: release.wait(30) and COMMIT, "slow")
+    registry.add_checker(lambda m: COMMIT, "orders")
+    rows = [claimed_row("slow")] + [claimed_row("orders") for _ in range(6)]
+    store = StubStore(rows)
+    config = CheckbackConfig(
+        database_url=NOWHERE, check_timeout=30, concurrency=2, poll_interval=0.01
+    )
+    runner = CheckbackRunner(registry, config, store=store, engine=ENGINE)  # type: ignore[arg-type]
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+
+    def recorded(answer: str) -> int:
+        return sum(1 for _, checks, _, _ in store.recorded for c in checks if c.answer == answer)
+
+    try:
+        deadline = time.monotonic() + 10  # far below the slow checker's 30 s
+        while recorded("commit") < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert recorded("commit") == 6, "the fast checks waited for the slow one"
+        assert runner.calls.in_flight == 1  # the slow one, still running
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while recorded("commit") < 7 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runner.stop()
+    thread.join(10)
+    assert recorded("commit") == 7
+
+
+def test_stopping_records_the_checks_in_hand() -> None:
+    release = threading.Event()
+    registry = CheckRegistry()
+    registry.add_checker(lambda m: release.wait(30) and COMMIT, "orders")
+    store = StubStore([claimed_row("orders")])
+    config = CheckbackConfig(database_url=NOWHERE, check_timeout=30, poll_interval=0.01)
+    runner = CheckbackRunner(registry, config, store=store, engine=ENGINE)  # type: ignore[arg-type]
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not runner.calls.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    runner.stop()
+    release.set()
+    thread.join(10)
+    assert [c.answer for _, checks, _, _ in store.recorded for c in checks] == ["commit"]
