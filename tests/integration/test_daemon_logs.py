@@ -4,6 +4,10 @@ each, in the daemons' one format (JSON lines, librdkafka's lines among them), no
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,3 +70,35 @@ def test_kafka_down_for_30s_gives_a_few_lines_per_10s(
         # Every daemon says it got the signal, and what it does.
         said = [entry["msg"] for entry in entries if entry["level"] == "info"]
         assert any("SIGTERM" in msg or "signal 15" in msg for msg in said), name
+
+
+def test_the_check_back_runner_logs_in_the_same_format_and_logs_its_signal(
+    outbox_url: str, tmp_path: Path
+) -> None:
+    from outbox.devstack.procs import free_port
+    from tests.relay_helpers import STARTED, RelayProcess
+
+    log = tmp_path / "checkback.log"
+    port = free_port()
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": outbox_url,
+        "ORDERS_DATABASE_URL": outbox_url,
+        "OUTBOX_CHECKBACK_METRICS_PORT": str(port),
+        "OUTBOX_LOG_FORMAT": "text",
+    }
+    with log.open("ab") as output:
+        process = RelayProcess(
+            [sys.executable, "-m", "outbox.cli", "checkback", "tests.prepared_app:registry"],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    process.metrics_port = port
+    STARTED.append(process)
+    process.wait_ready()
+    assert stop_process(process, signal.SIGINT) == 0
+    text = lines_of(log)
+    said = [line for line in text if "SIGINT received" in line]
+    assert said and " INFO " in said[0] and "outbox.checkback: " in said[0], text
+    assert not any(line.startswith("{") for line in text), text  # text, as asked
