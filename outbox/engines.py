@@ -72,6 +72,8 @@ def sender_engine(
     Every checkout pings the connection first: after a database restart, a stale pooled
     connection is replaced rather than failing the statement.
     """
+    if isinstance(url, str):
+        url = database_url(url)
     options = "-c plan_cache_mode=force_custom_plan -c jit=off"
     if not nested_loops:
         options += " -c enable_nestloop=off -c enable_seqscan=off"

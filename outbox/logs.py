@@ -8,9 +8,9 @@ librdkafka's own lines come through the same logger (``outbox.kafka``, see
 
 A broker that is down makes librdkafka report the same failure hundreds of times a minute,
 in bursts, and a daemon retrying a step logs its retries. :class:`FoldingHandler` writes a
-warning or error once per cause per :data:`FOLD_SECONDS`: the first at once, the repeats
-within that time counted, not written, and the count carried by the next line of that cause
-(``repeated``), or written when the time ends.
+warning or error (and any line of librdkafka's) once per cause per :data:`FOLD_SECONDS`: the
+first at once, the repeats within that time counted, not written, and written as one line
+with their count (``repeated``) when the time ends.
 """
 
 from __future__ import annotations
@@ -104,18 +104,19 @@ def cause(record: logging.LogRecord) -> tuple[str, int, str]:
 
 class FoldingHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """A stream handler that writes a warning or error once per cause per ``interval``
-    seconds; the line after a fold carries ``repeated`` (how many it stands for)."""
+    seconds; the repeats are written as one line an interval later, with ``repeated`` (how
+    many it stands for) and ``repeated_within_s``."""
 
     def __init__(self, stream: IO[str] | None = None, interval: float = FOLD_SECONDS) -> None:
         super().__init__(stream)
         self.interval = interval
         self._folds: dict[tuple[str, int, str], _Fold] = {}
-        self._closed = threading.Event()
+        self._sweeper_stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         # Called with the handler's lock held (Handler.handle).
-        if record.levelno < logging.WARNING or getattr(record, "_folded", False):
+        if getattr(record, "_folded", False) or not self.folds(record):
             super().emit(record)
             return
         key = cause(record)
@@ -130,6 +131,11 @@ class FoldingHandler(logging.StreamHandler):  # type: ignore[type-arg]
             record = _repeated(record, fold.repeats + 1, now - fold.started)
         self._folds[key] = _Fold(now)
         super().emit(record)
+
+    def folds(self, record: logging.LogRecord) -> bool:
+        """Whether repeats of ``record`` are folded: warnings and errors, and every line of
+        librdkafka (which reports each broker disconnection as information)."""
+        return record.levelno >= logging.WARNING or record.name == KAFKA_LOGGER.name
 
     def flush_folds(self, everything: bool = False) -> None:
         """Write the repeats of every interval that ended (of all with ``everything``)."""
@@ -146,7 +152,7 @@ class FoldingHandler(logging.StreamHandler):  # type: ignore[type-arg]
                     del self._folds[key]
 
     def close(self) -> None:
-        self._closed.set()
+        self._sweeper_stop.set()
         self.flush_folds(everything=True)
         super().close()
 
@@ -158,7 +164,7 @@ class FoldingHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self._sweeper.start()
 
     def _sweep(self) -> None:
-        while not self._closed.wait(min(1.0, self.interval / 4)):
+        while not self._sweeper_stop.wait(min(1.0, self.interval / 4)):
             self.flush_folds()
 
 

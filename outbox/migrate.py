@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 from alembic import command
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.pool import NullPool
 
+from outbox.alembic_histories import revision_of as revision_of
+from outbox.alembic_histories import upgrade_and_report
 from outbox.errors import OutboxError
 from outbox.migration_support import alembic_config
 from outbox.schema import OutboxTableSpec
@@ -126,27 +127,7 @@ def upgrade(
     spec = spec or OutboxTableSpec()
     _refuse_unless_ours(database_url, spec)
     config = alembic_config(database_url, spec)
-    before = revision_of(database_url, spec)
-    command.upgrade(config, revision)
-    after = revision_of(database_url, spec)
-    if before == after:
-        config.print_stdout(f"{spec.qualified_name} is already at {after}: nothing to do")
-    else:
-        config.print_stdout(f"{spec.qualified_name} upgraded from {before or 'nothing'} to {after}")
-
-
-def revision_of(database_url: str, spec: OutboxTableSpec) -> str | None:
-    """The revision the outbox's own history records for ``spec`` (None: not created)."""
-    engine = sa.create_engine(database_url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            context = MigrationContext.configure(
-                conn,
-                opts={"version_table": spec.version_table, "version_table_schema": spec.schema},
-            )
-            return context.get_current_revision()
-    finally:
-        engine.dispose()
+    upgrade_and_report(config, database_url, spec, revision, spec.qualified_name)
 
 
 def downgrade(

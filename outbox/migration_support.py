@@ -14,7 +14,6 @@ to drop it. docs/migrations.md has the whole recipe.
 from __future__ import annotations
 
 import os
-import sys
 from importlib import resources
 from pathlib import Path
 
@@ -22,11 +21,12 @@ import sqlalchemy as sa
 from alembic import context, op
 from alembic.config import Config
 
+from outbox.alembic_histories import URL_ATTRIBUTE, history_config
+from outbox.engines import database_url as psycopg_url
 from outbox.errors import ConfigError
 from outbox.schema import DEFAULT_SCHEMA, DEFAULT_TABLE, OutboxTableSpec, build_table
 
 SPEC_ATTRIBUTE = "outbox_spec"
-URL_ATTRIBUTE = "database_url"
 
 #: The outbox revisions as an Alembic package resource, for a service's ``version_locations``.
 VERSIONS_RESOURCE = "outbox.migrations:versions"
@@ -62,7 +62,7 @@ def current_url(config: Config | None = None) -> str:
     )
     if not url:
         raise ConfigError("no database URL: set OUTBOX_DATABASE_URL or pass --database-url")
-    return str(url)
+    return psycopg_url(str(url))
 
 
 def declare_outbox(metadata: sa.MetaData) -> sa.Table:
@@ -85,12 +85,7 @@ def declare_outbox(metadata: sa.MetaData) -> sa.Table:
 
 def alembic_config(database_url: str, spec: OutboxTableSpec | None = None) -> Config:
     """An Alembic Config for the outbox's own history on ``database_url``."""
-    # Alembic's default stdout is the one at import time; take the current one (a CLI runner's).
-    config = Config(stdout=sys.stdout)
-    config.set_main_option("script_location", str(migrations_dir()))
-    config.attributes[URL_ATTRIBUTE] = database_url
-    config.attributes[SPEC_ATTRIBUTE] = spec or OutboxTableSpec()
-    return config
+    return history_config(migrations_dir(), database_url, SPEC_ATTRIBUTE, spec or OutboxTableSpec())
 
 
 def lock_outbox_table(spec: OutboxTableSpec) -> None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics, the health endpoints and structured (JSON) logs, with secrets masked."""
+"""Prometheus metrics and the health endpoints (the logs: :mod:`outbox.logs`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox import health_server
 
-# Re-exported: the relay logs with the library's one JSON formatter and masks secrets with its
-# one implementation.
-from outbox.logs import JsonFormatter as JsonFormatter
-from outbox.logs import configure_logging as configure_logging
+# Re-exported: the relay masks secrets with the library's one implementation.
 from outbox.redaction import mask_secrets as mask_secrets
 
 

@@ -196,6 +196,7 @@ OUTPUT = click.option(
 @click.option(
     "--master",
     envvar="OUTBOX_SPARK_MASTER",
+    show_envvar=True,
     help="Spark master [default: local[*], or spark-submit's when run under it].",
 )
 @click.option(

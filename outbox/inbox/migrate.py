@@ -9,16 +9,15 @@ asked. A service that runs Alembic itself adds :data:`VERSIONS_RESOURCE` to its
 from __future__ import annotations
 
 import os
-import sys
 from importlib import resources
 from pathlib import Path
 
 import sqlalchemy as sa
 from alembic import command, context
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from sqlalchemy.pool import NullPool
 
+from outbox.alembic_histories import history_config, upgrade_and_report
+from outbox.alembic_histories import revision_of as revision_of
 from outbox.inbox.schema import (
     DEFAULT_INBOX_SCHEMA,
     DEFAULT_INBOX_TABLE,
@@ -26,7 +25,6 @@ from outbox.inbox.schema import (
     build_inbox_table,
     build_parked_table,
 )
-from outbox.migration_support import URL_ATTRIBUTE
 
 SPEC_ATTRIBUTE = "inbox_spec"
 #: The inbox revisions as an Alembic package resource, for a service's ``version_locations``.
@@ -66,25 +64,8 @@ def declare_inbox(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
 
 
 def alembic_config(database_url: str, spec: InboxTableSpec | None = None) -> Config:
-    config = Config(stdout=sys.stdout)
-    config.set_main_option("script_location", str(migrations_dir()))
-    config.attributes[URL_ATTRIBUTE] = database_url
-    config.attributes[SPEC_ATTRIBUTE] = spec or InboxTableSpec()
-    return config
-
-
-def revision_of(database_url: str, spec: InboxTableSpec) -> str | None:
-    """The inbox revision the database records for ``spec`` (None: not installed)."""
-    engine = sa.create_engine(database_url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            context_ = MigrationContext.configure(
-                conn,
-                opts={"version_table": spec.version_table, "version_table_schema": spec.schema},
-            )
-            return context_.get_current_revision()
-    finally:
-        engine.dispose()
+    """An Alembic Config for the inbox history on ``database_url``."""
+    return history_config(migrations_dir(), database_url, SPEC_ATTRIBUTE, spec or InboxTableSpec())
 
 
 def install(
@@ -100,15 +81,7 @@ def install(
     if sql:
         command.upgrade(config, revision, sql=True)
         return
-    before = revision_of(database_url, spec)
-    command.upgrade(config, revision)
-    after = revision_of(database_url, spec)
-    if before == after:
-        config.print_stdout(f"inbox {spec.qualified_name} is already at {after}: nothing to do")
-    else:
-        config.print_stdout(
-            f"inbox {spec.qualified_name} upgraded from {before or 'nothing'} to {after}"
-        )
+    upgrade_and_report(config, database_url, spec, revision, f"inbox {spec.qualified_name}")
 
 
 def uninstall(database_url: str, spec: InboxTableSpec | None = None) -> None:

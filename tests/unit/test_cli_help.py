@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import click
 from click.testing import CliRunner
 
 from outbox.cli import main
@@ -103,3 +104,54 @@ def test_the_top_level_help_loads_neither_kafka_nor_spark_nor_prometheus() -> No
     ).stdout
     assert "relay" in out and "reconcile" in out  # the help listed them ...
     assert out.strip().splitlines()[-1] == "[]"  # ... and loaded none of them
+
+
+def every_command() -> list[tuple[str, click.Command]]:
+    """Every command of `outbox`, sub-commands of groups included, by its full name."""
+    found: list[tuple[str, click.Command]] = []
+
+    def visit(prefix: str, group: click.Group) -> None:
+        context = click.Context(group)
+        for name in group.list_commands(context):
+            command = group.get_command(context, name)
+            assert command is not None, name
+            full = f"{prefix} {name}".strip()
+            if isinstance(command, click.Group):
+                visit(full, command)
+            else:
+                found.append((full, command))
+
+    visit("", main)
+    return found
+
+
+def test_every_environment_variable_an_option_reads_shows_in_help() -> None:
+    commands = every_command()
+    assert {"relay", "consume", "checkback", "db upgrade"} <= {name for name, _ in commands}
+    hidden = []
+    for name, command in commands:
+        text = CliRunner().invoke(main, [*name.split(), "--help"], terminal_width=200).output
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.hidden or not param.envvar:
+                continue
+            variables = [param.envvar] if isinstance(param.envvar, str) else param.envvar
+            hidden += [f"{name} {param.opts[0]}: {v}" for v in variables if v not in text]
+    assert not hidden
+
+
+def test_the_daemons_share_their_common_options() -> None:
+    commands = dict(every_command())
+    for name, prefix in (
+        ("relay", "OUTBOX_RELAY"),
+        ("consume", "OUTBOX_CONSUME"),
+        ("checkback", "OUTBOX_CHECKBACK"),
+    ):
+        options = {param.name: param for param in commands[name].params}
+        for option, variable in (
+            ("metrics_port", f"{prefix}_METRICS_PORT"),
+            ("metrics_host", f"{prefix}_METRICS_HOST"),
+            ("start_timeout", f"{prefix}_START_TIMEOUT"),
+            ("log_level", "OUTBOX_LOG_LEVEL"),
+            ("log_format", "OUTBOX_LOG_FORMAT"),
+        ):
+            assert options[option].envvar == variable, (name, option)

@@ -11,9 +11,10 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from outbox.errors import ConfigError
+from outbox.logs import JsonFormatter
 from outbox.records import OutboxRecord
 from outbox.relay.config import RelayConfig, kafka_config_from_env, masked_kafka_config
-from outbox.relay.observability import HealthState, JsonFormatter, mask_secrets
+from outbox.relay.observability import HealthState, mask_secrets
 from outbox.relay.policy import RETRIABLE, RetryPolicy, classify
 from outbox.relay.progress import decode_progress, encode_progress
 from outbox.relay.quiet import QuietShards, ended_between
