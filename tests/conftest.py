@@ -8,9 +8,11 @@ cannot start fails the tests that need it; elsewhere those tests are skipped wit
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from collections.abc import Callable, Iterator
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -18,7 +20,7 @@ from outbox.chaos.proxy import FaultProxy
 from outbox.chaos.stack import route_through_proxy
 from outbox.devstack import LocalStack, StackError
 from outbox.devstack.kafka import KafkaBroker
-from outbox.devstack.postgres import PostgresServer
+from outbox.devstack.postgres import SUPERUSER, PostgresServer
 from outbox.devstack.procs import free_port
 from outbox.devstack.stack import spark_jars, sweep_stale_runs
 
@@ -41,12 +43,17 @@ def local_stack() -> Iterator[LocalStack]:
 
 
 @pytest.fixture(scope="session")
-def postgres_server(local_stack: LocalStack) -> PostgresServer:
+def postgres_server(local_stack: LocalStack) -> Iterator[PostgresServer]:
     try:
-        return local_stack.up_postgres()
+        server = local_stack.up_postgres()
     except StackError as exc:
         server_unavailable("PostgreSQL", exc)
         raise
+    yield server
+    # Every other fixture is gone by now: none may have left a role or a database.
+    if server.running():
+        left = sorted(roles_and_databases(server) - SERVER_OWN)
+        assert not left, f"left behind on the session's PostgreSQL: {', '.join(left)}"
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +129,50 @@ def engine(outbox_url: str) -> Iterator[sa.Engine]:
 
 
 @pytest.fixture
+def login_role(outbox_url: str, postgres_server: PostgresServer) -> Iterator[Callable[..., str]]:
+    """``login_role(*grants, prefix="role")``: a new login role on the test's database with
+    only ``grants`` (statements with a ``{role}`` placeholder); returns a URL that connects as
+    it. Roles belong to the whole server, not to the database: each is dropped after the test,
+    with what it was granted, so none is left on the shared server."""
+    created: list[str] = []
+
+    def make(*grants: str, prefix: str = "role") -> str:
+        name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+        password = secrets.token_urlsafe(12)
+        with psycopg.connect(outbox_conninfo(outbox_url), autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'")
+            created.append(name)
+            for grant in grants:
+                conn.execute(grant.format(role=name))
+        url = sa.make_url(outbox_url).set(username=name, password=password)
+        return url.render_as_string(hide_password=False)
+
+    yield make
+    drop_roles(postgres_server, outbox_url, created)
+
+
+def outbox_conninfo(url: str) -> str:
+    """A SQLAlchemy URL as psycopg's connection string."""
+    return sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def drop_roles(server: PostgresServer, url: str, names: list[str]) -> None:
+    """Drop ``names`` and what they were granted on ``url``'s database (still there)."""
+    if not names:
+        return
+    with psycopg.connect(outbox_conninfo(url), autocommit=True) as conn:
+        for name in names:
+            conn.execute(f"DROP OWNED BY {name}")
+    with psycopg.connect(server.conninfo(), autocommit=True) as conn:
+        for name in names:
+            # A relay the test started may still hold a session as the role.
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,)
+            )
+            conn.execute(f"DROP ROLE {name}")
+
+
+@pytest.fixture
 def bootstrap_servers(kafka_broker: KafkaBroker) -> str:
     return kafka_broker.bootstrap_servers
 
@@ -161,6 +212,47 @@ def spark():  # type: ignore[no-untyped-def]
     session.sparkContext.setLogLevel("WARN")
     yield session
     session.stop()
+
+
+def roles_and_databases(server: PostgresServer) -> set[str]:
+    """What a test could leave on the server: its roles and databases, by name."""
+    with psycopg.connect(server.conninfo(), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT 'role ' || rolname FROM pg_roles WHERE rolname !~ '^pg_'"
+            " UNION ALL SELECT 'database ' || datname FROM pg_database"
+        ).fetchall()
+    return {row[0] for row in rows}
+
+
+#: What the session's PostgreSQL holds before any test and keeps until the end.
+SERVER_OWN = {
+    f"role {SUPERUSER}",
+    *(f"database {name}" for name in ("postgres", "template0", "template1", "outbox_template")),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_role_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that uses the session's PostgreSQL leaves no role on it: roles belong to the
+    server, not to the test's database, and later tests would inherit them. (Databases are
+    looked at when the session ends: a session fixture may keep one for later tests.)
+
+    Fixtures of a wider scope are set up before the first look, so a role one of them keeps
+    for the module's tests is not counted as left behind by the first test.
+    """
+    if "postgres_server" not in request.fixturenames:
+        yield
+        return
+    for name, definitions in request.node._fixtureinfo.name2fixturedefs.items():  # type: ignore[attr-defined]
+        if definitions[-1].scope != "function":
+            request.getfixturevalue(name)
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    before = roles_and_databases(server)
+    yield
+    if not server.running():
+        return  # stopped by the test on purpose; nothing to look at
+    left = sorted(r for r in roles_and_databases(server) - before if r.startswith("role "))
+    assert not left, f"left behind on the session's PostgreSQL: {', '.join(left)}"
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -62,6 +63,8 @@ def no_rights_url(outbox_template: str, postgres_server) -> Iterator[str]:  # ty
     engine.dispose()
     yield sa.make_url(url).set(username=name, password=SECRET).render_as_string(False)
     postgres_server.drop_database(database)
+    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+        conn.execute(f"DROP ROLE {name}")  # granted nothing; roles outlive the database
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -4,8 +4,6 @@ test_relay_privileges.py, the audit's by the reconciliation tests' docs.)"""
 
 from __future__ import annotations
 
-import secrets
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -28,18 +26,8 @@ PURGE_GRANTS = (
 )
 
 
-def role_engine(engine: sa.Engine, outbox_url: str, grants: tuple[str, ...]) -> sa.Engine:
-    name = f"role_{uuid.uuid4().hex[:8]}"
-    password = secrets.token_urlsafe(12)
-    with engine.begin() as conn:
-        conn.execute(sa.text(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'"))
-        for grant in grants:
-            conn.execute(sa.text(grant.format(role=name)))
-    return sa.create_engine(sa.make_url(outbox_url).set(username=name, password=password))
-
-
-def test_a_service_publishes_with_the_documented_grants(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
-    service = role_engine(engine, outbox_url, SERVICE_GRANTS)
+def test_a_service_publishes_with_the_documented_grants(engine, login_role) -> None:  # type: ignore[no-untyped-def]
+    service = sa.create_engine(login_role(*SERVICE_GRANTS))
     try:
         ob = Outbox(service)
         with ob.transaction() as tx:
@@ -54,8 +42,8 @@ def test_a_service_publishes_with_the_documented_grants(engine, outbox_url) -> N
         assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 2
 
 
-def test_a_service_without_insert_is_told_which_grant_is_missing(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
-    service = role_engine(engine, outbox_url, SERVICE_GRANTS[:1])
+def test_a_service_without_insert_is_told_which_grant_is_missing(login_role) -> None:  # type: ignore[no-untyped-def]
+    service = sa.create_engine(login_role(*SERVICE_GRANTS[:1]))
     try:
         with (
             pytest.raises(PermissionDenied, match="GRANT INSERT"),
@@ -66,13 +54,13 @@ def test_a_service_without_insert_is_told_which_grant_is_missing(engine, outbox_
         service.dispose()
 
 
-def test_the_purge_runs_with_the_documented_grants(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+def test_the_purge_runs_with_the_documented_grants(engine, login_role) -> None:  # type: ignore[no-untyped-def]
     with Outbox(engine).transaction() as tx:
         tx.publish("orders", {"n": 1})
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE outbox SET status = 'sent', sent_at = now()"))
     later = datetime.now(UTC) + timedelta(minutes=1)
-    purger = role_engine(engine, outbox_url, PURGE_GRANTS)
+    purger = sa.create_engine(login_role(*PURGE_GRANTS))
     try:
         assert purge_sent(purger, timedelta(0), now=later) == 1
     finally:

@@ -810,14 +810,11 @@ GRANT SELECT, UPDATE ON public.outbox TO {role};
 """
 
 
-def test_the_documented_grants_are_enough(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
-    urls = {}
-    with engine.begin() as conn:
-        for kind, grants in (("service", SERVICE_GRANTS), ("runner", RUNNER_GRANTS)):
-            role = f"prep_{kind}_{uuid.uuid4().hex[:8]}"
-            conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
-            conn.exec_driver_sql(grants.format(role=role))
-            urls[kind] = sa.make_url(outbox_url).set(username=role, password="pw")
+def test_the_documented_grants_are_enough(engine, login_role) -> None:  # type: ignore[no-untyped-def]
+    urls = {
+        kind: login_role(grants, prefix=f"prep_{kind}")
+        for kind, grants in (("service", SERVICE_GRANTS), ("runner", RUNNER_GRANTS))
+    }
     service = sa.create_engine(urls["service"])
     try:
         prepared = PreparedMessages(Outbox(service), check_after=0)
@@ -833,11 +830,8 @@ def test_the_documented_grants_are_enough(engine, outbox_url) -> None:  # type: 
     finally:
         service.dispose()
     # Without UPDATE, the decision fails for good: a typed error, not "left to check-back".
-    with engine.begin() as conn:
-        role = f"prep_insert_only_{uuid.uuid4().hex[:8]}"
-        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
-        conn.exec_driver_sql(SERVICE_GRANTS.split("GRANT UPDATE")[0].format(role=role))
-    insert_only = sa.create_engine(sa.make_url(outbox_url).set(username=role, password="pw"))
+    insert_only_grants = SERVICE_GRANTS.split("GRANT UPDATE")[0]
+    insert_only = sa.create_engine(login_role(insert_only_grants, prefix="prep_insert_only"))
     try:
         with pytest.raises(PermissionDenied):
             PreparedMessages(Outbox(insert_only)).send_in_transaction(
@@ -847,7 +841,7 @@ def test_the_documented_grants_are_enough(engine, outbox_url) -> None:  # type: 
         insert_only.dispose()
     registry = CheckRegistry()
     registry.add_checker(answers(COMMIT), "orders")
-    config = fast_config(urls["runner"].render_as_string(hide_password=False))
+    config = fast_config(urls["runner"])
     with running_checkback(registry, config):
         wait_for(lambda: status_of(engine, left.message_id) == "pending", 20, "checked")
     assert status_of(engine, kept.message_id) == "pending"

@@ -3,10 +3,8 @@ role without them is refused in one clear line that names what is missing."""
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import sys
-import uuid
 
 import pytest
 import sqlalchemy as sa
@@ -23,27 +21,15 @@ from tests.relay_helpers import (
 pytestmark = pytest.mark.integration
 
 
-def make_role(engine: sa.Engine, outbox_url: str, *grants: str) -> str:
-    """A login role with only ``grants``; returns a URL that connects as it."""
-    name = f"relay_{uuid.uuid4().hex[:8]}"
-    password = secrets.token_urlsafe(12)
-    with engine.begin() as conn:
-        conn.execute(sa.text(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'"))
-        for grant in grants:
-            conn.execute(sa.text(grant.format(role=name)))
-    return sa.make_url(outbox_url).set(username=name, password=password).render_as_string(False)
-
-
 def test_the_documented_grants_are_enough(
-    outbox_url, engine, bootstrap_servers, make_topic
+    login_role, engine, bootstrap_servers, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
     from outbox.devstack.topics import consume_messages
 
-    url = make_role(
-        engine,
-        outbox_url,
+    url = login_role(
         "GRANT USAGE ON SCHEMA public TO {role}",
         "GRANT SELECT, UPDATE ON public.outbox TO {role}",
+        prefix="relay",
     )
     topic = make_topic("priv")
     ids = publish_orders(engine, topic, 50)
@@ -72,9 +58,9 @@ def run_relay(url: str, bootstrap: str) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_a_role_without_the_grants_is_refused_in_one_line(
-    outbox_url, engine, bootstrap_servers, grants
+    login_role, bootstrap_servers, grants
 ) -> None:  # type: ignore[no-untyped-def]
-    url = make_role(engine, outbox_url, *grants)
+    url = login_role(*grants, prefix="relay")
     result = run_relay(url, bootstrap_servers)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
