@@ -1,8 +1,9 @@
 """Session-wide local stack (real PostgreSQL, Kafka, Spark) and per-test isolation.
 
-The stack is started once per test session in its own run folder and stopped at the end.
-Each test gets a database of its own and topics with unique names. With CI=true a server that
-cannot start fails the tests that need it; elsewhere those tests are skipped with the reason.
+The stack is started once per test session in its own run folder and stopped at the end;
+under pytest-xdist each worker is a session of its own, with its own stack. Each test gets a
+database of its own and topics with unique names. With CI=true a server that cannot start
+fails the tests that need it; elsewhere those tests are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +28,41 @@ from outbox.devstack.stack import spark_jars, sweep_stale_runs
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (``--dist loadgroup --no-loadscope-reorder``, as `make test` runs it):
+    tests that share a costly fixture run on one worker, which sets it up once; tests marked
+    ``slow`` are handed out first, then the groups, so that the short tests fill the workers
+    beside them at the end instead of leaving one worker alone with a long test."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        group = shared_fixture_group(item)
+        if group and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is None,
+            item.get_closest_marker("xdist_group") is None,
+        )
+    )
+
+
+def shared_fixture_group(item: pytest.Item) -> str | None:
+    """One in-process Spark session serves every test that uses ``spark``; a module's own
+    fixture of a wider scope (a cluster, a built wheel) serves the tests of that module."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is None:
+        return None
+    if "spark" in fixtures.names_closure:
+        return "spark"
+    module = item.nodeid.split("::")[0]
+    for definitions in fixtures.name2fixturedefs.values():
+        if definitions[-1].scope != "function" and definitions[-1].baseid == module:
+            return module
+    return None
+
+
 def server_unavailable(what: str, error: BaseException) -> None:
     message = f"{what} is unavailable: {error}"
     if IN_CI:
@@ -34,9 +70,15 @@ def server_unavailable(what: str, error: BaseException) -> None:
     pytest.skip(message)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop the stacks of a session killed with -9. Under xdist only the controller sweeps,
+    before its workers start: a worker's sweep could take another's stack, half made."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        sweep_stale_runs("pytest-")
+
+
 @pytest.fixture(scope="session")
 def local_stack() -> Iterator[LocalStack]:
-    sweep_stale_runs("pytest-")
     stack = LocalStack.named(f"pytest-{os.getpid()}", durable=False)
     yield stack
     stack.down()
