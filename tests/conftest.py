@@ -1,8 +1,9 @@
 """Session-wide local stack (real PostgreSQL, Kafka, Spark) and per-test isolation.
 
-The stack is started once per test session in its own run folder and stopped at the end.
-Each test gets a database of its own and topics with unique names. With CI=true a server that
-cannot start fails the tests that need it; elsewhere those tests are skipped with the reason.
+The stack is started once per test session in its own run folder and stopped at the end;
+under pytest-xdist each worker is a session of its own, with its own stack. Each test gets a
+database of its own and topics with unique names. With CI=true a server that cannot start
+fails the tests that need it; elsewhere those tests are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -20,11 +21,46 @@ from outbox.chaos.proxy import FaultProxy
 from outbox.chaos.stack import route_through_proxy
 from outbox.devstack import LocalStack, StackError
 from outbox.devstack.kafka import KafkaBroker
-from outbox.devstack.postgres import PostgresServer
+from outbox.devstack.postgres import SUPERUSER, PostgresServer
 from outbox.devstack.procs import free_port
 from outbox.devstack.stack import spark_jars, sweep_stale_runs
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (``--dist loadgroup --no-loadscope-reorder``, as `make test` runs it):
+    tests that share a costly fixture run on one worker, which sets it up once; tests marked
+    ``slow`` are handed out first, then the groups, so that the short tests fill the workers
+    beside them at the end instead of leaving one worker alone with a long test."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        group = shared_fixture_group(item)
+        if group and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is None,
+            item.get_closest_marker("xdist_group") is None,
+        )
+    )
+
+
+def shared_fixture_group(item: pytest.Item) -> str | None:
+    """One in-process Spark session serves every test that uses ``spark``; a module's own
+    fixture of a wider scope (a cluster, a built wheel) serves the tests of that module."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is None:
+        return None
+    if "spark" in fixtures.names_closure:
+        return "spark"
+    module = item.nodeid.split("::")[0]
+    for definitions in fixtures.name2fixturedefs.values():
+        if definitions[-1].scope != "function" and definitions[-1].baseid == module:
+            return module
+    return None
 
 
 def server_unavailable(what: str, error: BaseException) -> None:
@@ -34,9 +70,15 @@ def server_unavailable(what: str, error: BaseException) -> None:
     pytest.skip(message)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop the stacks of a session killed with -9. Under xdist only the controller sweeps,
+    before its workers start: a worker's sweep could take another's stack, half made."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        sweep_stale_runs("pytest-")
+
+
 @pytest.fixture(scope="session")
 def local_stack() -> Iterator[LocalStack]:
-    sweep_stale_runs("pytest-")
     stack = LocalStack.named(f"pytest-{os.getpid()}", durable=False)
     yield stack
     stack.down()
@@ -50,10 +92,9 @@ def postgres_server(local_stack: LocalStack) -> Iterator[PostgresServer]:
         server_unavailable("PostgreSQL", exc)
         raise
     yield server
-    # Module- and session-wide fixtures are gone by now: none of them may leave a role.
+    # Every other fixture is gone by now: none may have left a role or a database.
     if server.running():
-        roles = {r for r in roles_and_databases(server) if r.startswith("role ")}
-        left = sorted(roles - {"role postgres"})
+        left = sorted(roles_and_databases(server) - SERVER_OWN)
         assert not left, f"left behind on the session's PostgreSQL: {', '.join(left)}"
 
 
@@ -216,6 +257,7 @@ def spark():  # type: ignore[no-untyped-def]
 
 
 def roles_and_databases(server: PostgresServer) -> set[str]:
+    """What a test could leave on the server: its roles and databases, by name."""
     with psycopg.connect(server.conninfo(), autocommit=True) as conn:
         rows = conn.execute(
             "SELECT 'role ' || rolname FROM pg_roles WHERE rolname !~ '^pg_'"
@@ -224,13 +266,21 @@ def roles_and_databases(server: PostgresServer) -> set[str]:
     return {row[0] for row in rows}
 
 
-@pytest.fixture(autouse=True)
-def _nothing_left_on_the_database_server(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test that uses the session's PostgreSQL leaves no role or database behind on it:
-    roles outlive the test's database, and later tests on the shared server inherit them.
+#: What the session's PostgreSQL holds before any test and keeps until the end.
+SERVER_OWN = {
+    f"role {SUPERUSER}",
+    *(f"database {name}" for name in ("postgres", "template0", "template1", "outbox_template")),
+}
 
-    Fixtures of a wider scope are set up before the first look, so what they keep for
-    later tests (the outbox template, a module's database) is not counted as left behind.
+
+@pytest.fixture(autouse=True)
+def _no_role_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that uses the session's PostgreSQL leaves no role on it: roles belong to the
+    server, not to the test's database, and later tests would inherit them. (Databases are
+    looked at when the session ends: a session fixture may keep one for later tests.)
+
+    Fixtures of a wider scope are set up before the first look, so a role one of them keeps
+    for the module's tests is not counted as left behind by the first test.
     """
     if "postgres_server" not in request.fixturenames:
         yield
@@ -243,7 +293,7 @@ def _nothing_left_on_the_database_server(request: pytest.FixtureRequest) -> Iter
     yield
     if not server.running():
         return  # stopped by the test on purpose; nothing to look at
-    left = sorted(roles_and_databases(server) - before)
+    left = sorted(r for r in roles_and_databases(server) - before if r.startswith("role "))
     assert not left, f"left behind on the session's PostgreSQL: {', '.join(left)}"
 
 

@@ -28,12 +28,16 @@ SEED = 7
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
+@pytest.mark.slow
+@pytest.mark.xdist_group("chaos")  # one chaos run at a time beside the other tests
 def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> None:
     result, stdout = run_chaos(mode, tmp_path)
     assert_every_guarantee_held(result, stdout, mode, tmp_path, PROFILES["short"])
     assert result["brokers"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("kafka-cluster")  # with test_cluster.py: one three-node cluster at once
 def test_a_short_chaos_run_on_a_three_node_cluster_keeps_every_guarantee(
     tmp_path: Path,
 ) -> None:
@@ -203,6 +207,8 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("chaos")
 def test_sigterm_stops_the_runs_servers_and_relays(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "outbox.cli", "chaos", "--seed", str(SEED)]
     command += ["--output", str(tmp_path)]

@@ -29,13 +29,14 @@ from tests.relay_helpers import (
     wait_for,
 )
 
-pytestmark = pytest.mark.integration
+# One worker runs every test with a three-node cluster, the chaos run's too: two at once would
+# take six brokers' memory and CPU on a small machine.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
 
 
 @pytest.fixture(scope="module")
 def cluster(local_stack: LocalStack) -> Iterator[KafkaCluster]:
-    # After the session's stack: making it sweeps every pytest-* run of a dead session, and
-    # this one's too if it were made first.
+    # A pytest-* run: if the session is killed, the next one's start stops and removes it.
     stack = LocalStack.named(f"pytest-cluster-{os.getpid()}", durable=False, brokers=3)
     try:
         stack.up_kafka()

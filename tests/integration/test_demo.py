@@ -18,7 +18,7 @@ import pytest
 
 from outbox.devstack.stack import LocalStack, stack_home
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDERS = 120  # every tenth rolls back on purpose

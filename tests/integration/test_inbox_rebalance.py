@@ -259,6 +259,7 @@ def test_a_partition_waiting_for_a_retry_is_read_again_after_a_rebalance(
             wait_for(lambda: ledger_count(inbox_engine) == 20, 25, "everything applied")
 
 
+@pytest.mark.serial
 def test_a_consumer_behind_a_slow_link_stays_ready_while_its_commits_are_answered(
     inbox_engine: sa.Engine,
     outbox_url: str,

@@ -88,6 +88,7 @@ def test_a_busy_relay_lets_writers_commit_without_notifying(
     assert writer_notifies(relay_conn, 0.5) == []
 
 
+@pytest.mark.serial
 def test_a_relay_does_not_fall_asleep_while_a_writer_that_did_not_notify_is_open(
     engine: sa.Engine, relay_conn: psycopg.Connection
 ) -> None:
@@ -165,6 +166,7 @@ def test_a_relay_that_gets_work_while_the_watcher_sleeps_stops_writers_notifying
         assert watcher.asleep
 
 
+@pytest.mark.serial
 def test_while_the_watcher_cannot_sleep_the_other_relays_do_not_either(engine: sa.Engine) -> None:
     """Writers always mid-transaction keep the watcher from the wake lock, and they do not
     notify: the other idle relays must then look again as often as the watcher does, not
@@ -262,6 +264,7 @@ def test_every_write_path_wakes_a_sleeping_relay(
     assert writer_notifies(relay_conn, 5) == [CHANNEL]
 
 
+@pytest.mark.serial
 def test_no_commit_is_missed_while_relays_fall_asleep_and_wake(engine: sa.Engine) -> None:
     """Writers commit in bursts while two relays go through the idle/busy cycle as fast as
     they can; after each commit some relay must learn of it without waiting for a poll."""

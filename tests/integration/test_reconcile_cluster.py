@@ -25,7 +25,7 @@ from tests.conftest import server_unavailable
 from tests.integration.test_reconcile import inject_faults, relay_until_sent
 from tests.relay_helpers import publish_orders
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 #: What the driver and the executors need to run here: loopback, this interpreter, small JVMs.

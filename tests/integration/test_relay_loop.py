@@ -870,6 +870,7 @@ def test_the_last_relay_never_steps_aside(engine, outbox_url) -> None:  # type: 
         assert not failing.health.stepped_aside and failing.step_asides == 0
 
 
+@pytest.mark.serial
 def test_a_relay_that_stepped_aside_comes_back_at_once_when_no_member_is_left(  # type: ignore[no-untyped-def]
     engine, outbox_url, monkeypatch
 ) -> None:

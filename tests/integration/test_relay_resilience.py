@@ -49,6 +49,7 @@ def first_occurrences_in_key_order(records) -> bool:  # type: ignore[no-untyped-
     return all(values == sorted(values) for values in per_key.values())
 
 
+@pytest.mark.serial
 def test_sigterm_finishes_the_batch_releases_and_exits_zero(
     engine, outbox_url, bootstrap_servers, make_topic, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -109,6 +110,7 @@ def test_kill_9_loses_nothing_and_exactly_once_duplicates_nothing(
     assert first_occurrences_in_key_order(records)
 
 
+@pytest.mark.serial
 def test_a_dead_owners_shards_are_taken_over_within_seconds(
     engine, outbox_url, bootstrap_servers, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
