@@ -92,7 +92,7 @@ class RelayConfig:
     def marks_wait_for_flush(self) -> bool:
         """Whether marking a batch sent waits for PostgreSQL to flush it to disk.
 
-        Exactly-once: always, because recovery restores only a shard's last batch from Kafka,
+        Exactly-once: always, because recovery restores only a shard's last batches from Kafka,
         and a forgotten mark of any earlier one would send its rows again. At-least-once:
         only with ``durable_marks``. Otherwise a database crash may forget the marks of its
         last moments (the WAL writer flushes them within a fraction of a second): those rows

@@ -9,7 +9,8 @@ while the others' batches are in flight or being marked; a relay that found noth
 reads them all at once.
 
 Shards are let go only when nothing is in flight (the loop drains first); gained shards are
-taken while other batches fly.
+taken over in the background (see :mod:`outbox.relay.takeover`) while the others' batches
+fly, and read once their take-over ended.
 Shutdown (SIGTERM/SIGINT) stops reading, lets the batches in flight finish and be recorded,
 releases the shards and exits 0.
 """
@@ -55,6 +56,7 @@ from outbox.relay.progress import ensure_progress_topic
 from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
 from outbox.relay.store import Failure, PendingRow, RelayStore, shard_window
+from outbox.relay.takeover import TakeOvers
 from outbox.relay.tracing import start_batch_span
 from outbox.relay.wakeup import WakeUp
 from outbox.sending import Ack, order_gaps
@@ -191,6 +193,8 @@ class Relay:
         self._busy_shards: dict[InFlight, tuple[set[int], float, Callable[[], None]]] = {}
         #: Batches that ended, their outcome being recorded (they keep their shards busy).
         self._recorder: OutcomeRecorder[_Ended] = OutcomeRecorder(workers=MARKERS)
+        #: Shards gained and being taken over: owned, not read until it ended.
+        self._take_overs = TakeOvers()
         #: Which group of the owned shards the next read starts with.
         self._group = 0
         #: The last read that found rows took as many as it may, in all or of one shard (a
@@ -266,6 +270,7 @@ class Relay:
                     self._maybe_rebalance()
                     busy = self._step()
                     self.health.tick()
+                    self.health.working_since(self._oldest_unfinished())
                     pause = 0.5
                     assert self._wake is not None
                     if busy:
@@ -316,6 +321,7 @@ class Relay:
         assert self._publisher is not None
         self._collect_recordings(block=False)
         self._settle(self._publisher.wait(0))
+        self._finish_take_overs()
         started = False if self._stop.is_set() else self._start_next()
         settled = False
         if self._publisher.in_flight and not started:
@@ -331,6 +337,10 @@ class Relay:
             # Whichever outcome is recorded first frees its shards: not the oldest one's wait.
             self._recorder.wait(WAIT_SLICE)
             settled = self._collect_recordings(block=False)
+        elif len(self._take_overs) and not started:
+            # Rows committed to shards being taken over woke nobody: read them when it ends.
+            self._take_overs.wait(WAIT_SLICE)
+            return True
         # A batch just recorded may have left rows behind it (the batch size, a shard's
         # window): look again before sleeping, since no commit is left to wake this relay.
         return started or settled or self._publisher.in_flight > 0 or len(self._recorder) > 0
@@ -350,6 +360,7 @@ class Relay:
         assert self._ownership is not None and self._publisher is not None
         owned = sorted(self._ownership.owned)
         busy = {shard for shards, _, _ in self._busy_shards.values() for shard in shards}
+        busy |= self._take_overs.shards
         idle = [shard for shard in owned if shard not in busy]
         group = max(1, -(-len(owned) // READ_GROUPS))  # shards per group, rounded up
         if not idle or (busy and len(idle) < group):
@@ -533,6 +544,7 @@ class Relay:
     def _drain(self) -> None:
         """Wait for every batch in flight and record it (before ownership changes)."""
         assert self._publisher is not None
+        self._finish_take_overs(wait_for_all=True)
         while self._publisher.in_flight:
             self._settle(self._publisher.wait(WAIT_SLICE))
         self._collect_recordings(block=True)
@@ -750,6 +762,7 @@ class Relay:
         # (_drain): what is recorded by now is finished, nothing is waited for.
         self._collect_recordings(block=False)
         self._publisher.serve_events()
+        self._finish_take_overs()
         if not self._ownership.joined and self._stays_aside(now):
             return  # stepped aside: the others serve its share meanwhile
         if not self._ownership.joined:
@@ -785,6 +798,14 @@ class Relay:
             self._next_gauge = now + GAUGE_INTERVAL
             self.metrics.oldest_pending.set(self.store.oldest_pending_age())
 
+    def _oldest_unfinished(self) -> float | None:
+        """When the oldest batch (in flight or being marked) or take-over still running
+        began: one that never ends wedges its shards while the others go on."""
+        began = [began for _, began, _ in self._busy_shards.values()]
+        began.append(self._take_overs.oldest_start() or float("inf"))
+        oldest = min(began)
+        return None if oldest == float("inf") else oldest
+
     def _kafka_reachable(self) -> bool:
         """Probe Kafka before taking shards: a relay out of its reach takes none."""
         assert self._publisher is not None
@@ -805,30 +826,54 @@ class Relay:
         return True
 
     def _take_over(self, shards: list[int]) -> None:
+        """Start taking ``shards`` over in the background (see :mod:`outbox.relay.takeover`):
+        fence their earlier owner, mark sent what its last committed transactions held."""
+        publisher, store = self._publisher, self.store
+        assert publisher is not None
+
+        def take_over() -> tuple[int, int]:
+            recovered = publisher.take_over(shards)
+            return store.mark_committed(recovered), store.break_leases(shards)
+
+        log.info("taking over shards %s", shards)
+        self._take_overs.start(shards, take_over)
+
+    def _finish_take_overs(self, wait_for_all: bool = False) -> None:
+        """Put the shards of the take-overs that ended to work, or give them back."""
         assert self._publisher is not None and self._ownership is not None
-        try:
-            recovered = self._publisher.take_over(shards)
-            marked = self.store.mark_committed(recovered)
-            broken = self.store.break_leases(shards)
-        except Exception as error:
+        for take_over in self._take_overs.ended(wait_for_all):
+            shards = list(take_over.shards)
+            error = take_over.error()
+            if error is None and set(shards) <= self._ownership.owned:
+                marked, broken = take_over.future.result()
+                self._failed_take_overs = self.step_asides = 0
+                self._rejoin_at = 0.0
+                self._last_reached = time.monotonic()
+                self._ownership.mark_serving()
+                log.info(
+                    "took over shards %s (%d rows marked sent from committed progress, "
+                    "%d leases taken back)",
+                    shards,
+                    marked,
+                    broken,
+                )
+                continue
             # Owning a shard that was not taken over properly would stall it: give the shards
             # back, so that a later rebalance (here or in another relay) tries again.
             self._publisher.let_go(shards)
             self._ownership.release(shards)
-            if isinstance(error, KafkaException | TimeoutError):
+            if error is None:
+                continue  # let go meanwhile (a step aside)
+            if not isinstance(error, KafkaException | TimeoutError):
+                raise error  # the database: the loop reconnects
+            # TimeoutError: Kafka did not answer in time (progress reads).
+            log.error("taking over shards %s failed: %s", shards, mask_secrets(str(error)))
+            self.health.kafka_ok = False
+            if wait_for_all:
+                # Draining before shards change hands: no stepping aside in the middle of it.
+                self._ownership.mark_failing()
+            else:
                 self._take_over_failed()
-            raise
-        self._failed_take_overs = self.step_asides = 0
-        self._rejoin_at = 0.0
-        self._last_reached = time.monotonic()
-        self._ownership.mark_serving()
-        log.info(
-            "took over shards %s (%d rows marked sent from committed progress, "
-            "%d leases taken back)",
-            shards,
-            marked,
-            broken,
-        )
 
     def _take_over_failed(self) -> None:
         """Count a take-over that Kafka failed; after a few in a row, step aside if another
@@ -921,6 +966,7 @@ class Relay:
             self._publisher.stop_sending()
             self._publisher.wait(0)
         self._recorder.abandon()  # no statement may run on the session when it is closed
+        self._take_overs.ended(wait_for_all=True)  # their shards are let go below
         self._busy_shards.clear()
         self._rows.clear()
         self._quiet.forget()
@@ -945,6 +991,8 @@ class Relay:
         except Exception as error:  # the rows stay pending: the next owner sends them
             log.warning("batches in flight at shutdown not recorded: %s", error)
         self._recorder.abandon()  # before the shards are let go
+        self._take_overs.ended(wait_for_all=True)
+        self._take_overs.close()
         try:
             if self._ownership is not None and self._conn is not None and not self._conn.closed:
                 released = self._ownership.release_all()

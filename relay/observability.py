@@ -62,7 +62,9 @@ class HealthState:
 
     Alive means the loop turns *and* gets somewhere: a relay whose batches keep coming back
     unsent (none acknowledged, none failed) for ``stale_after`` seconds holds its shards for
-    nothing, and a supervisor should restart it so that others take them over.
+    nothing, and a supervisor should restart it so that others take them over. So does a
+    relay with one shard wedged while the others go on: a batch (sent or being marked) or a
+    take-over that has not ended after ``stale_after`` seconds.
     """
 
     def __init__(self, stale_after: float) -> None:
@@ -74,6 +76,8 @@ class HealthState:
         self.stopping = False
         #: Out of the members for a while after its take-overs kept failing.
         self.stepped_aside = False
+        #: When the oldest batch or take-over still unfinished began (None: nothing runs).
+        self.oldest_unfinished: float | None = None
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
@@ -91,9 +95,23 @@ class HealthState:
             self.stuck_since is not None and time.monotonic() - self.stuck_since >= self.stale_after
         )
 
+    def working_since(self, began: float | None) -> None:
+        """Record when the oldest batch or take-over still unfinished began."""
+        self.oldest_unfinished = began
+
+    @property
+    def wedged(self) -> bool:
+        """A batch or take-over of one of its shards has not ended for ``stale_after``."""
+        began = self.oldest_unfinished
+        return began is not None and time.monotonic() - began >= self.stale_after
+
     @property
     def alive(self) -> bool:
-        return time.monotonic() - self.last_tick < self.stale_after and not self.stuck
+        return (
+            time.monotonic() - self.last_tick < self.stale_after
+            and not self.stuck
+            and not self.wedged
+        )
 
     @property
     def ready(self) -> bool:
@@ -106,7 +124,14 @@ class HealthState:
         )
 
     def not_alive_because(self) -> str:
-        return "stuck: batches are not sent" if self.stuck else "stalled"
+        if self.stuck:
+            return "stuck: batches are not sent"
+        if self.wedged:
+            return (
+                f"wedged: a batch or take-over of its shards has not ended"
+                f" for {self.stale_after:.0f}s"
+            )
+        return "stalled"
 
     def not_ready_because(self) -> str:
         reasons = [

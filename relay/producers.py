@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
@@ -15,7 +16,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 from outbox.flights import IdempotentSender
 from outbox.records import OutboxRecord
-from outbox.relay.progress import encode_progress, last_committed
+from outbox.relay.progress import encode_progress, last_committed_of
 from outbox.schema import SHARD_COUNT
 from outbox.sending import Ack, BatchResult, kafka_error_of, produce_batch, sending_config
 
@@ -210,6 +211,11 @@ class ExactlyOncePublisher:
             "logger": KAFKA_LOG,
         }
         self._consumer = Consumer(self._consumer_config)
+        #: The take-overs' own: the loop polls ``_consumer`` for events while they read. It
+        #: reads to a partition's end: the broker need not hold its empty fetches long.
+        self._progress_config = {**self._consumer_config, "fetch.wait.max.ms": 10}
+        self._progress = Consumer(self._progress_config)
+        self._progress_lock = threading.Lock()
 
     def check_reachable(self, timeout: float) -> None:
         try:
@@ -224,21 +230,52 @@ class ExactlyOncePublisher:
             producer.poll(0)
 
     def take_over(self, shards: Sequence[int]) -> list[Ack]:
-        """Fence earlier owners of ``shards`` and return what their last transactions sent."""
+        """Fence earlier owners of ``shards`` and return what their last transactions sent.
+
+        Safe beside the loop's batches (the relay runs it on a thread of its own): the shards'
+        producers are registered only once they fenced the earlier owner, and the progress
+        records are read with a consumer of the take-overs' own."""
+        began = time.monotonic()
+        fenced: dict[int, Producer] = {}
+        # Side by side: each waits for the coordinator, which may first have to abort the
+        # earlier owner's open transaction (a relay killed mid-batch).
+        with ThreadPoolExecutor(max_workers=len(shards) or 1) as pool:
+            inits = {shard: pool.submit(self._fenced_producer, shard) for shard in shards}
+        failure: BaseException | None = None
+        for shard, init in inits.items():
+            error = init.exception()
+            if error is None:
+                fenced[shard] = init.result()
+            elif failure is None:
+                failure = error
+        self.producers.update(fenced)  # the relay lets them go when the take-over failed
+        if failure is not None:
+            raise failure
         recovered: list[Ack] = []
-        for shard in shards:
-            producer = Producer(self.producer_config(shard))
-            producer.init_transactions(60)  # fences the old owner, ends its open transaction
-            self.producers[shard] = producer
+        fenced_at = time.monotonic()
+        with self._progress_lock:
             try:
-                recovered.extend(last_committed(self._consumer, self.progress_topic, shard))
+                found = last_committed_of(self._progress, self.progress_topic, shards)
             except (KafkaException, TimeoutError):
                 # After a broker restart a client's metadata can stay wrong ("Unknown
                 # partition" for minutes, seen in a chaos run); the next try gets a new one.
-                self._consumer.close()
-                self._consumer = Consumer(self._consumer_config)
+                self._progress.close()
+                self._progress = Consumer(self._progress_config)
                 raise
+        for acks in found.values():
+            recovered.extend(acks)
+        log.info(
+            "shards %s: earlier owners fenced in %.2fs, progress read in %.2fs",
+            list(shards),
+            fenced_at - began,
+            time.monotonic() - fenced_at,
+        )
         return recovered
+
+    def _fenced_producer(self, shard: int) -> Producer:
+        producer = Producer(self.producer_config(shard))
+        producer.init_transactions(60)  # fences the old owner, ends its open transaction
+        return producer
 
     def producer_config(self, shard: int) -> dict[str, Any]:
         """The settings of ``shard``'s transactional producer."""
@@ -405,6 +442,8 @@ class ExactlyOncePublisher:
         self.producers.clear()
         self._pool.shutdown(wait=True)
         self._consumer.close()
+        with self._progress_lock:
+            self._progress.close()
 
 
 @dataclass(eq=False)

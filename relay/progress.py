@@ -3,14 +3,19 @@
 Every exactly-once batch of a shard is one Kafka transaction holding the data records *and*
 one progress record on the progress topic (partition = shard), listing each message id with
 the partition and offset it got. A new owner of the shard first fences the old producer
-(``init_transactions``), then reads the newest committed progress record and marks those rows
-sent: a crash between "Kafka committed" and "rows marked sent" never republishes them.
+(``init_transactions``), then reads the shard's last committed progress records (the newest
+one, and every other one among the partition's last ``RECOVERY_OFFSETS`` offsets) and marks
+those rows sent: a crash between "Kafka committed" and "rows marked sent" never republishes
+them, nor do marks of the last batches lost in a failover to an asynchronous standby.
+Marking a row from any committed record is right: its Kafka transaction committed, and a
+record vouches only for the generation of the row it sent.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -19,8 +24,10 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from outbox.schema import SHARD_COUNT
 from outbox.sending import Ack
 
-#: How far back to look for the newest committed progress record, doubling each time.
-_FIRST_LOOKBACK = 16
+#: How many of a shard's last progress offsets a take-over reads (a batch takes two: its
+#: record and its transaction's commit marker); further back, doubling each time, only until
+#: one committed record is found.
+RECOVERY_OFFSETS = 64
 
 
 def encode_progress(shard: int, owner: str, acks: list[Ack]) -> bytes:
@@ -79,19 +86,37 @@ def ensure_progress_topic(admin: AdminClient, topic: str, replication_factor: in
 
 
 def last_committed(consumer: Consumer, topic: str, shard: int, timeout: float = 15.0) -> list[Ack]:
-    """The acks of the newest committed progress record of ``shard`` (empty if none).
+    """The acks of ``shard``'s last committed progress records (see :func:`last_committed_of`)."""
+    return last_committed_of(consumer, topic, [shard], timeout).get(shard, [])
+
+
+def last_committed_of(
+    consumer: Consumer, topic: str, shards: Sequence[int], timeout: float = 15.0
+) -> dict[int, list[Ack]]:
+    """The acks of the last committed progress records of each of ``shards`` (a shard with
+    none is left out): every record among a shard's last ``RECOVERY_OFFSETS`` offsets, or,
+    with none there, among twice as many, and so on. Read side by side: one by one, a
+    take-over of eight shards read for ten seconds, each waiting for its partition's end.
 
     ``consumer`` must be ``read_committed``; call this after ``init_transactions`` of the
-    shard's producer, so no transaction of an earlier owner is still open.
+    shards' producers, so no transaction of an earlier owner is still open.
     """
-    low, high = _watermarks(consumer, TopicPartition(topic, shard), timeout)
-    lookback = _FIRST_LOOKBACK
-    while True:
-        start = max(low, high - lookback)
-        found = _newest_between(consumer, topic, shard, start, high, timeout)
-        if found is not None or start == low:
-            return found or []
+    ends = {shard: _watermarks(consumer, TopicPartition(topic, shard), timeout) for shard in shards}
+    found: dict[int, list[Ack]] = {}
+    lookback = RECOVERY_OFFSETS
+    looking = {shard: max(low, high - lookback) for shard, (low, high) in ends.items()}
+    while looking:
+        newest = _committed_between(consumer, topic, looking, ends, timeout)
+        found.update((shard, acks) for shard, acks in newest.items())
         lookback *= 2
+        # A shard with no record in its last offsets (aborted transactions' markers) looks
+        # further back, down to its first offset.
+        looking = {
+            shard: max(ends[shard][0], ends[shard][1] - lookback)
+            for shard, start in looking.items()
+            if shard not in newest and start > ends[shard][0]
+        }
+    return found
 
 
 def _watermarks(consumer: Consumer, partition: TopicPartition, timeout: float) -> tuple[int, int]:
@@ -112,28 +137,41 @@ def _watermarks(consumer: Consumer, partition: TopicPartition, timeout: float) -
 _SETTLING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE}
 
 
-def _newest_between(
-    consumer: Consumer, topic: str, shard: int, start: int, end: int, timeout: float
-) -> list[Ack] | None:
-    if start >= end:
-        return None
-    consumer.assign([TopicPartition(topic, shard, start)])
-    newest: list[Ack] | None = None
+def _committed_between(
+    consumer: Consumer,
+    topic: str,
+    starts: dict[int, int],
+    ends: dict[int, tuple[int, int]],
+    timeout: float,
+) -> dict[int, list[Ack]]:
+    """The acks of each shard's progress records from ``starts`` to its end (each shard with
+    at least one), all read at once."""
+    open_shards = {shard for shard, start in starts.items() if start < ends[shard][1]}
+    if not open_shards:
+        return {}
+    consumer.assign([TopicPartition(topic, shard, starts[shard]) for shard in open_shards])
+    newest: dict[int, list[Ack]] = {}
     try:
-        while True:
+        while open_shards:
             message = consumer.poll(timeout)
             if message is None:
-                raise TimeoutError(f"no progress records from {topic}[{shard}] in {timeout}s")
+                raise TimeoutError(
+                    f"no progress records from {topic}{sorted(open_shards)} in {timeout}s"
+                )
+            shard = message.partition()
+            assert shard is not None  # a partition's message or end
             error = message.error()
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
-                    return newest
+                    open_shards.discard(shard)
+                    continue
                 raise KafkaException(error)
             value = message.value()
             if value is not None:
-                newest = decode_progress(value)
+                newest.setdefault(shard, []).extend(decode_progress(value))
             offset = message.offset()
-            if offset is not None and offset >= end - 1:
-                return newest
+            if offset is not None and offset >= ends[shard][1] - 1:
+                open_shards.discard(shard)
     finally:
         consumer.unassign()
+    return newest

@@ -200,3 +200,42 @@ def test_a_progress_reader_with_stale_metadata_is_replaced_so_the_next_take_over
         assert publisher.take_over([5]) == []  # a fresh reader sees all 16
     finally:
         publisher.close()
+
+
+def test_marks_lost_with_the_last_batches_are_recovered_from_their_progress_records(
+    engine: sa.Engine, publishers, bootstrap_servers: str, make_topic
+) -> None:  # type: ignore[no-untyped-def]
+    """A failover to an asynchronous standby loses the marks of the last commits before it.
+    A take-over that read only the newest progress record marked the last batch alone: the
+    batches before it were sent again. Every record among the shard's last offsets counts."""
+    topic = make_topic("lostmarks")
+    with Outbox(engine).transaction() as tx:
+        ids = [
+            r.message_id
+            for r in tx.publish_many([Message(topic, {"n": n}, key="k") for n in range(30)])
+        ]
+    shard = shard_of(b"k", ids[0])
+    first = RelayStore(engine, DEFAULT_SPEC, "relay-first")
+    old_owner = publishers(bootstrap_servers, owner="relay-first")
+    old_owner.take_over([shard])
+    for _ in range(3):  # three batches, three Kafka transactions, three progress records
+        batch = first.read_batch([shard], 10)
+        result = old_owner.publish([row.record for row in batch])
+        first.record_outcome(result.acks, [])
+        assert len(result.acks) == 10
+    first.close()
+    # The standby the database failed over to never saw the three marks.
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET status = 'pending', sent_at = NULL, kafka_partition = NULL,"
+                " kafka_offset = NULL WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        )
+    second = RelayStore(engine, DEFAULT_SPEC, "relay-second")
+    new_owner = publishers(bootstrap_servers, owner="relay-second")
+    recovered = new_owner.take_over([shard])
+    assert second.mark_committed(recovered) == 30
+    assert second.read_batch([shard], 100) == []  # nothing left to send again
+    second.close()
