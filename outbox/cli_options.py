@@ -22,7 +22,9 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _psycopg_url(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
+def psycopg_url_option_value(
+    _ctx: click.Context, _param: click.Parameter, url: str | None
+) -> str | None:
     # A usage error would print three lines (usage, hint, error); this one is one line.
     from outbox.engines import database_url
 
@@ -37,7 +39,7 @@ DATABASE_URL = click.option(
     envvar="OUTBOX_DATABASE_URL",
     show_envvar=True,
     required=True,
-    callback=_psycopg_url,
+    callback=psycopg_url_option_value,
     help="e.g. postgresql+psycopg://user:pw@host/db; postgres:// and postgresql:// mean "
     "the same (psycopg 3).",
 )

@@ -11,10 +11,13 @@ from typing import Any
 import click
 
 from outbox.cli_options import (
+    SCHEMA,
+    TABLE,
     bootstrap_servers_option,
     database_engine,
     kafka_settings_option,
     parse_key_values,
+    psycopg_url_option_value,
     run_db_step,
     table_spec,
 )
@@ -48,11 +51,10 @@ TABLE_DATABASE_URL = click.option(
     envvar="OUTBOX_DATABASE_URL",
     show_envvar=True,
     default=None,
+    callback=psycopg_url_option_value,
     help="Also take the topics the outbox table uses: those of its pending and prepared rows "
     f"and of its latest {RECENT_ROWS:,} rows.",
 )
-SCHEMA = click.option("--schema", envvar="OUTBOX_SCHEMA", default="public", show_default=True)
-TABLE = click.option("--table", envvar="OUTBOX_TABLE", default="outbox", show_default=True)
 
 
 def _admin(bootstrap_servers: str, kafka_settings: tuple[str, ...]) -> Any:
