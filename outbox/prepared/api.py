@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.errors import ConfigError, NotPrepared
-from outbox.message import EncodedMessage, Message, encode_message
+from outbox.message import NO_KEY, EncodedMessage, Message, NoKey, encode_message
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer, parse_answer
 from outbox.prepared.checkers import validate_group
 from outbox.prepared.store import PRODUCER, UNRESOLVED, PreparedStore
@@ -142,7 +142,7 @@ class PreparedMessages:
         topic: str,
         value: Any = None,
         *,
-        key: KeyLike = None,
+        key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
         group: str | None = None,
@@ -163,7 +163,7 @@ class PreparedMessages:
         topic: str,
         value: Any = None,
         *,
-        key: KeyLike = None,
+        key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
         group: str | None = None,
