@@ -20,7 +20,8 @@ class InvalidTopic(InvalidMessage):
 
 
 class InvalidKey(InvalidMessage):
-    """The key is not ``bytes``, ``str``, ``int``, ``uuid.UUID`` or ``None``."""
+    """The key is ``None`` (leave it out, or ``NO_KEY``, for none), or not ``bytes``, ``str``,
+    ``int`` or ``uuid.UUID``."""
 
 
 class InvalidHeaders(InvalidMessage):

@@ -200,3 +200,20 @@ def test_the_plugin_says_what_it_needs_without_a_server() -> None:
     )
     assert result.returncode != 0
     assert "OUTBOX_TEST_DATABASE_URL" in result.stdout + result.stderr
+
+
+def test_the_feeder_runs_coroutine_handlers_with_an_async_session(url: str) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    seen: list[tuple[str, bool]] = []
+    inbox = Inbox(group="async-billing")
+
+    @inbox.handler("orders")
+    async def bill(message: InboxMessage, session: AsyncSession) -> None:
+        await session.execute(sa.text("SELECT 1"))
+        seen.append((message.value["order_id"], isinstance(session, AsyncSession)))
+
+    feeder = InboxFeeder(inbox, url)
+    assert feeder.feed("orders", {"order_id": "a-1"}).applied
+    feeder.close()
+    assert seen == [("a-1", True)]
