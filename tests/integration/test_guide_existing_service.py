@@ -123,9 +123,13 @@ def walk_the_guide(shop: str, fulfilment: str, bootstrap: str, make_topic, tmp: 
     checked = command(*documented(f"alembic -c {ini} check").split(), env=on_shop)
     assert "No new upgrade operations detected" in checked.stdout + checked.stderr
 
-    # Step 4: the topic (created here with the admin client: the test has no kafka-topics.sh).
+    # Step 4: the topic (made with a name of its own for the test, deleted after it), and the
+    # guide's check of it.
     topic = make_topic("orders", partitions=3)
     env = {**on_shop, "ORDERS_TOPIC": topic, "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap}
+    check = documented("outbox topics check orders").replace("orders", topic).split()
+    lines = command(*check, env=env).stdout.splitlines()
+    assert any(line.startswith(topic) and " ok " in line for line in lines), lines
 
     # Step 6: the consuming service's tables and its inbox.
     on_fulfilment = {**env, "OUTBOX_DATABASE_URL": fulfilment}
