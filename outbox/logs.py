@@ -195,6 +195,7 @@ def configure_logging(
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in root.handlers:
-        old.close()
+        if isinstance(old, FoldingHandler):  # an earlier set-up's: write what it folded
+            old.close()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

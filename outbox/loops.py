@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
+from outbox.database_errors import database_not_ready, first_line
 from outbox.errors import ConfigError
 
 
@@ -76,15 +77,17 @@ class Stoppable:
         log: logging.Logger,
     ) -> bool:
         """Wait while the database is out of reach, asking ``problem()`` again after each
-        ``backoff(attempts)``; what waiting cannot fix (``problem()`` returns why: a missing
-        table, say) raises :class:`~outbox.errors.ConfigError` at once. False when stopped
-        first."""
+        ``backoff(attempts)``; what waiting cannot fix (a wrong password, a missing database,
+        or what ``problem()`` returns: a missing table, say) raises
+        :class:`~outbox.errors.ConfigError` at once. False when stopped first."""
         attempt = 0
         while not self._stop.is_set():
             self.health.tick()
             try:
                 found = problem()
             except (sa.exc.DBAPIError, OSError) as exc:
+                if not database_not_ready(exc):  # a wrong password, a missing database
+                    raise ConfigError(f"database error: {first_line(exc)}") from exc
                 attempt += 1
                 log.warning(
                     "database unavailable at start", extra={"error": str(exc).splitlines()[0]}

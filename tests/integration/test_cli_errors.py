@@ -10,6 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -164,3 +165,34 @@ def test_a_daemon_waits_for_a_refusing_server_until_its_start_timeout(daemon: st
     assert "database not ready" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and SECRET not in result.stderr
     assert "Connection refused" in result.stderr.strip().splitlines()[-1]
+
+
+def test_an_embedded_consumer_with_a_wrong_password_stops_at_once(
+    outbox_url: str, bootstrap_servers: str
+) -> None:
+    # The runner in a service's thread, no command line: it must not wait forever either.
+    from outbox.errors import ConfigError
+    from outbox.inbox import Inbox, InboxRunner
+    from tests.inbox_helpers import consumer_config
+
+    url = sa.make_url(outbox_url).set(password=SECRET).render_as_string(False)
+    inbox = Inbox(group="embedded-wrong-password")
+    inbox.handler("orders")(lambda message, session: None)
+    runner = InboxRunner(inbox, consumer_config(url, bootstrap_servers))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner.run()
+        except ConfigError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="embedded-consumer", daemon=True)
+    thread.start()
+    thread.join(FAST)
+    if thread.is_alive():
+        runner.stop()
+        thread.join(30)
+        pytest.fail(f"the runner still waited for the database after {FAST:.0f}s")
+    assert raised and "password authentication failed" in str(raised[0]), raised
+    assert SECRET not in str(raised[0])
