@@ -99,6 +99,14 @@ def _spec(schema: str, table: str) -> Any:
     show_envvar=True,
     help="Purge inbox rows older than this (14d, 2w, ...) every hour; see docs/inbox.md.",
 )
+@click.option(
+    "--database-outage-limit",
+    default=120.0,
+    show_default=True,
+    envvar="OUTBOX_CONSUME_DATABASE_OUTAGE_LIMIT",
+    show_envvar=True,
+    help="Seconds the database may stay out of reach before /healthz reports unhealthy.",
+)
 @metrics_options("OUTBOX_CONSUME")
 @LOG_LEVEL
 def consume(
@@ -114,6 +122,7 @@ def consume(
     backoff_base: float,
     backoff_max: float,
     retention: str | None,
+    database_outage_limit: float,
     metrics_port: int | None,
     metrics_host: str,
     log_level: str,
@@ -158,6 +167,7 @@ def consume(
             backoff_base=backoff_base,
             backoff_max=backoff_max,
             retention=age,
+            database_outage_limit=database_outage_limit,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
         )

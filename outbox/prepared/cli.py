@@ -98,6 +98,14 @@ from outbox.redaction import mask_secrets
     show_envvar=True,
     help="Timed-out checker calls still running before /healthz reports the runner unhealthy.",
 )
+@click.option(
+    "--database-outage-limit",
+    default=120.0,
+    show_default=True,
+    envvar="OUTBOX_CHECKBACK_DATABASE_OUTAGE_LIMIT",
+    show_envvar=True,
+    help="Seconds the database may stay out of reach before /healthz reports unhealthy.",
+)
 @metrics_options("OUTBOX_CHECKBACK")
 @LOG_LEVEL
 def checkback(
@@ -113,6 +121,7 @@ def checkback(
     max_checks: int,
     on_max_checks: str,
     max_hung_checks: int,
+    database_outage_limit: float,
     metrics_port: int | None,
     metrics_host: str,
     log_level: str,
@@ -149,6 +158,7 @@ def checkback(
             max_checks=max_checks,
             on_max_checks=on_max_checks,
             max_hung_checks=max_hung_checks,
+            database_outage_limit=database_outage_limit,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
         )
