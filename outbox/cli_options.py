@@ -61,6 +61,19 @@ TABLE = click.option(
 )
 
 
+def database_outage_limit_option(env_prefix: str) -> Callable[[F], F]:
+    """``--database-outage-limit`` (``<env_prefix>_DATABASE_OUTAGE_LIMIT``) of the daemons that
+    answer ``/healthz`` by the database's reach: the consumer and the check-back runner."""
+    return click.option(
+        "--database-outage-limit",
+        default=120.0,
+        show_default=True,
+        envvar=f"{env_prefix}_DATABASE_OUTAGE_LIMIT",
+        show_envvar=True,
+        help="Seconds the database may stay out of reach before /healthz reports unhealthy.",
+    )
+
+
 def daemon_options(env_prefix: str) -> Callable[[F], F]:
     """The options every daemon has: ``--metrics-port``, ``--metrics-host``,
     ``--start-timeout`` (read from ``<env_prefix>_METRICS_PORT``, ``..._METRICS_HOST`` and

@@ -17,6 +17,7 @@ from outbox.cli_options import (
     check_database_at_start,
     daemon_options,
     database_engine,
+    database_outage_limit_option,
     kafka_settings_option,
     modules_from_working_directory,
     on_stop_signals,
@@ -112,6 +113,7 @@ def _spec(schema: str, table: str) -> Any:
     show_envvar=True,
     help="Purge inbox rows older than this (14d, 2w, ...) every hour; see docs/inbox.md.",
 )
+@database_outage_limit_option("OUTBOX_CONSUME")
 @daemon_options("OUTBOX_CONSUME")
 def consume(
     target: str,
@@ -126,6 +128,7 @@ def consume(
     backoff_base: float,
     backoff_max: float,
     retention: str | None,
+    database_outage_limit: float,
     metrics_port: int | None,
     metrics_host: str,
     start_timeout: float,
@@ -175,6 +178,7 @@ def consume(
             backoff_base=backoff_base,
             backoff_max=backoff_max,
             retention=age,
+            database_outage_limit=database_outage_limit,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
         )

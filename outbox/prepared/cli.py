@@ -18,6 +18,7 @@ from outbox.cli_options import (
     check_database_at_start,
     daemon_options,
     database_engine,
+    database_outage_limit_option,
     message_selection,
     modules_from_working_directory,
     on_stop_signals,
@@ -99,6 +100,7 @@ from outbox.redaction import mask_secrets
     show_envvar=True,
     help="Timed-out checker calls still running before /healthz reports the runner unhealthy.",
 )
+@database_outage_limit_option("OUTBOX_CHECKBACK")
 @daemon_options("OUTBOX_CHECKBACK")
 def checkback(
     target: str,
@@ -113,6 +115,7 @@ def checkback(
     max_checks: int,
     on_max_checks: str,
     max_hung_checks: int,
+    database_outage_limit: float,
     metrics_port: int | None,
     metrics_host: str,
     start_timeout: float,
@@ -153,6 +156,7 @@ def checkback(
             max_checks=max_checks,
             on_max_checks=on_max_checks,
             max_hung_checks=max_hung_checks,
+            database_outage_limit=database_outage_limit,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
         )
