@@ -40,12 +40,12 @@ from outbox.errors import (
     PermissionDenied,
     SerializationError,
 )
-from outbox.message import ID_HEADER, NO_KEY, Message, NoKey, PublishResult
-from outbox.publisher import AsyncOutboxTransaction, Outbox, OutboxTransaction
-from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
 
 if TYPE_CHECKING:
     from outbox.immediate import ImmediateSender
+    from outbox.message import ID_HEADER, NO_KEY, Message, NoKey, PublishResult
+    from outbox.publisher import AsyncOutboxTransaction, Outbox, OutboxTransaction
+    from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
 
 __version__ = "0.1.0"
 
@@ -88,14 +88,35 @@ __all__ = [
 _default: Outbox | None = None
 
 
-def __getattr__(name: str) -> Any:
-    # ImmediateSender brings librdkafka (confluent_kafka) with it: it loads on first use, so
-    # a service that only writes to the outbox never loads the Kafka client.
-    if name == "ImmediateSender":
-        from outbox.immediate import ImmediateSender
+#: The names that load on first use, and their modules. SQLAlchemy (and for ImmediateSender
+#: librdkafka) load with them: ``import outbox`` stays instant, so that the ``outbox``
+#: command can take SIGTERM cleanly before it loads them (:mod:`outbox.early_stop`), and a
+#: service that only writes to the outbox never loads the Kafka client.
+_LAZY = {
+    "ID_HEADER": "outbox.message",
+    "NO_KEY": "outbox.message",
+    "Message": "outbox.message",
+    "NoKey": "outbox.message",
+    "PublishResult": "outbox.message",
+    "AsyncOutboxTransaction": "outbox.publisher",
+    "Outbox": "outbox.publisher",
+    "OutboxTransaction": "outbox.publisher",
+    "BytesSerializer": "outbox.serialization",
+    "JsonSerializer": "outbox.serialization",
+    "Serializer": "outbox.serialization",
+    "ImmediateSender": "outbox.immediate",
+}
 
-        return ImmediateSender
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
 
 
 def __dir__() -> list[str]:
@@ -108,12 +129,16 @@ def configure(*args: Any, **kwargs: Any) -> Outbox:
     Takes the same arguments as :class:`Outbox`; without a call, the defaults apply and
     :func:`transaction` reads ``OUTBOX_DATABASE_URL``.
     """
+    from outbox.publisher import Outbox
+
     global _default
     _default = Outbox(*args, **kwargs)
     return _default
 
 
 def _outbox() -> Outbox:
+    from outbox.publisher import Outbox
+
     global _default
     if _default is None:
         _default = Outbox()

@@ -12,6 +12,14 @@ PySpark, and a command whose package is not installed says so in one line.
 
 from __future__ import annotations
 
+import sys
+
+from outbox import early_stop
+
+# Before the imports that take seconds (SQLAlchemy, through cli_options): see early_stop.
+if __name__ == "__main__" or early_stop.is_the_outbox_command(sys.argv):
+    early_stop.install()
+
 import importlib
 import importlib.util
 from collections.abc import Iterator
@@ -44,6 +52,10 @@ class LazyCommand(NamedTuple):
     #: Why the command is missing from an installed package, if it can be.
     unavailable: str = ""
 
+
+#: The commands that run until stopped and handle SIGTERM/SIGINT themselves: until they do,
+#: a stop asked for is a clean stop before start (:mod:`outbox.early_stop`).
+DAEMONS = frozenset({"relay", "consume", "checkback"})
 
 _TOOLING = "development tooling: it runs from a source checkout (pip install -e .), not from "
 LAZY_COMMANDS = {
@@ -141,8 +153,11 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup)
 @click.version_option(package_name="outbox-kafka")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Transactional outbox for PostgreSQL and Kafka."""
+    if ctx.invoked_subcommand not in DAEMONS:  # a daemon installs handlers of its own
+        early_stop.release()
 
 
 @main.group()

@@ -126,6 +126,15 @@ if TYPE_CHECKING:
     "sends no acknowledged row again (exactly-once marks always wait).",
 )
 @click.option(
+    "--wedge-timeout",
+    default=90.0,
+    show_default=True,
+    envvar="OUTBOX_RELAY_WEDGE_TIMEOUT",
+    show_envvar=True,
+    help="Seconds a mark (recording what Kafka answered for a batch) or a shard's take-over "
+    "may last before /healthz answers 503 wedged (a take-over gives up after 60 s on its own).",
+)
+@click.option(
     "--shutdown-timeout",
     default=30.0,
     show_default=True,
@@ -152,6 +161,7 @@ def relay(
     progress_topic: str | None,
     delete_on_send: bool,
     durable_marks: bool,
+    wedge_timeout: float,
     shutdown_timeout: float,
     metrics_port: int | None,
     metrics_host: str,
@@ -197,6 +207,7 @@ def relay(
             delete_on_send=delete_on_send,
             durable_marks=durable_marks,
             shutdown_timeout=shutdown_timeout,
+            wedge_timeout=wedge_timeout,
         )
         started = check_database_at_start(
             database_url,

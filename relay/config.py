@@ -63,6 +63,10 @@ class RelayConfig:
     delete_on_send: bool = False
     #: At-least-once marks wait for the WAL flush too (exactly-once marks always do).
     durable_marks: bool = False
+    #: Seconds a mark (what Kafka answered being recorded) or a shard's take-over may last
+    #: before /healthz answers 503 "wedged": a mark is one statement, and a take-over's
+    #: init_transactions gives up after 60 s, so longer means a lock held or a hang.
+    wedge_timeout: float = 90.0
 
     def __post_init__(self) -> None:
         if self.mode not in (AT_LEAST_ONCE, EXACTLY_ONCE):
@@ -73,6 +77,8 @@ class RelayConfig:
             raise ConfigError("batch size must be between 1 and 50000")
         if self.poll_interval <= 0 or self.rebalance_interval <= 0:
             raise ConfigError("poll and rebalance intervals must be positive")
+        if self.wedge_timeout <= 0:
+            raise ConfigError("the wedge timeout must be positive")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError("metrics port must be between 0 and 65535")
         if self.exactly_once and self.delivery_timeout_ms + 30_000 > 900_000:

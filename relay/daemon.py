@@ -169,7 +169,8 @@ class Relay:
                 30.0,
                 5 * config.poll_interval,
                 (config.delivery_timeout_ms + TRANSACTION_MARGIN_MS) / 1000 + 30,
-            )
+            ),
+            wedge_after=config.wedge_timeout,
         )
         self._stop = threading.Event()
         self._stop_requested_at = 0.0
@@ -270,7 +271,9 @@ class Relay:
                     self._maybe_rebalance()
                     busy = self._step()
                     self.health.tick()
-                    self.health.working_since(self._oldest_unfinished())
+                    self.health.working_since(
+                        self._oldest_unfinished(), self._oldest_mark_or_take_over()
+                    )
                     pause = 0.5
                     assert self._wake is not None
                     if busy:
@@ -396,7 +399,8 @@ class Relay:
         ]
         if undecodable:
             self._collect_recordings(block=True)  # a transaction: alone on the session
-            self.store.record_outcome([], undecodable, connection=self._conn)
+            with self.health.marking():
+                self.store.record_outcome([], undecodable, connection=self._conn)
             self._observe_failures(undecodable, {row.id: "?" for row in batch})
         records = [row.record for row in batch if row.record is not None]
         if not records:
@@ -466,7 +470,8 @@ class Relay:
         if ended.failures:
             # Several statements in one transaction: nothing else may run on the session.
             self._collect_recordings(block=True)
-            self.store.record_outcome(ended.acks, ended.failures, connection=self._conn)
+            with self.health.marking():
+                self.store.record_outcome(ended.acks, ended.failures, connection=self._conn)
             self._finish(ended)
         elif ended.acks:
             # Kafka answered now, however long the mark takes: a batch being marked is not
@@ -805,6 +810,11 @@ class Relay:
         began.append(self._take_overs.oldest_start() or float("inf"))
         oldest = min(began)
         return None if oldest == float("inf") else oldest
+
+    def _oldest_mark_or_take_over(self) -> float | None:
+        """When the oldest mark being recorded or take-over still running began."""
+        started = (self._recorder.oldest_submitted(), self._take_overs.oldest_start())
+        return min((began for began in started if began is not None), default=None)
 
     def _kafka_reachable(self) -> bool:
         """Probe Kafka before taking shards: a relay out of its reach takes none."""

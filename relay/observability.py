@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -63,12 +65,16 @@ class HealthState:
     Alive means the loop turns *and* gets somewhere: a relay whose batches keep coming back
     unsent (none acknowledged, none failed) for ``stale_after`` seconds holds its shards for
     nothing, and a supervisor should restart it so that others take them over. So does a
-    relay with one shard wedged while the others go on: a batch (sent or being marked) or a
-    take-over that has not ended after ``stale_after`` seconds.
+    relay with one shard wedged while the others go on: a batch on its way to Kafka that has
+    not ended after ``stale_after`` seconds (Kafka may take the delivery timeout), or a mark
+    (what Kafka answered being recorded) or a take-over not ended after ``wedge_after`` seconds
+    (a mark is one statement, and a take-over gives up after 60 s: longer means a lock or a
+    hang, not work). ``wedge_after`` defaults to ``stale_after``.
     """
 
-    def __init__(self, stale_after: float) -> None:
+    def __init__(self, stale_after: float, wedge_after: float | None = None) -> None:
         self.stale_after = stale_after
+        self.wedge_after = stale_after if wedge_after is None else wedge_after
         self.last_tick = time.monotonic()
         self.stuck_since: float | None = None
         self.database_ok = False
@@ -78,6 +84,10 @@ class HealthState:
         self.stepped_aside = False
         #: When the oldest batch or take-over still unfinished began (None: nothing runs).
         self.oldest_unfinished: float | None = None
+        #: When the oldest mark or take-over still unfinished began (None: nothing runs).
+        self.oldest_mark_or_take_over: float | None = None
+        #: When the mark the loop itself waits for began (None: it waits for none).
+        self.loop_marking_since: float | None = None
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
@@ -95,15 +105,35 @@ class HealthState:
             self.stuck_since is not None and time.monotonic() - self.stuck_since >= self.stale_after
         )
 
-    def working_since(self, began: float | None) -> None:
-        """Record when the oldest batch or take-over still unfinished began."""
+    def working_since(self, began: float | None, marking: float | None = None) -> None:
+        """Record when the oldest batch or take-over still unfinished began, and (``marking``)
+        the oldest mark or take-over."""
         self.oldest_unfinished = began
+        self.oldest_mark_or_take_over = marking
+
+    @contextmanager
+    def marking(self) -> Iterator[None]:
+        """A mark the loop itself makes (failures, in a transaction): while it waits for a row
+        lock the loop does not turn, and it wedges the relay as a background mark does."""
+        self.loop_marking_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.loop_marking_since = None
+
+    def _oldest_mark(self) -> float | None:
+        started = (self.oldest_mark_or_take_over, self.loop_marking_since)
+        return min((began for began in started if began is not None), default=None)
 
     @property
     def wedged(self) -> bool:
-        """A batch or take-over of one of its shards has not ended for ``stale_after``."""
-        began = self.oldest_unfinished
-        return began is not None and time.monotonic() - began >= self.stale_after
+        """A batch of one of its shards has not ended for ``stale_after``, or a mark or
+        take-over for ``wedge_after``."""
+        now = time.monotonic()
+        began, marking = self.oldest_unfinished, self._oldest_mark()
+        return (began is not None and now - began >= self.stale_after) or (
+            marking is not None and now - marking >= self.wedge_after
+        )
 
     @property
     def alive(self) -> bool:
@@ -127,6 +157,12 @@ class HealthState:
         if self.stuck:
             return "stuck: batches are not sent"
         if self.wedged:
+            marking = self._oldest_mark()
+            if marking is not None and time.monotonic() - marking >= self.wedge_after:
+                return (
+                    f"wedged: a mark or take-over of its shards has not ended"
+                    f" for {self.wedge_after:g}s"
+                )
             return (
                 f"wedged: a batch or take-over of its shards has not ended"
                 f" for {self.stale_after:.0f}s"

@@ -16,11 +16,12 @@ recorded (:meth:`OutcomeRecorder.collect` with ``block=True``).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 log = logging.getLogger("outbox.relay")
@@ -34,6 +35,8 @@ class Recording(Generic[T]):
 
     batch: T
     future: Future[None]
+    #: When it was submitted (time.monotonic()): a mark blocked on a row lock ages from here.
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class OutcomeRecorder(Generic[T]):
@@ -53,6 +56,10 @@ class OutcomeRecorder(Generic[T]):
         """Start recording ``batch`` with ``record()`` (beside what was submitted before, with
         several workers: each ``record`` names its own session)."""
         self._pending.append(Recording(batch, self._worker.submit(record)))
+
+    def oldest_submitted(self) -> float | None:
+        """When the outcome being recorded the longest was submitted (None: none is)."""
+        return min((recording.submitted for recording in self._pending), default=None)
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for any outcome being recorded to be recorded."""

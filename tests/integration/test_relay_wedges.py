@@ -162,3 +162,83 @@ def test_a_mark_waiting_for_an_operators_row_lock_makes_the_relay_not_alive(  # 
             operator.rollback()
             wait_for(lambda: statuses(engine) == {"sent": 1})
             wait_for(lambda: relay.health.alive, 10)
+
+
+def test_a_mark_waiting_for_a_row_lock_is_wedged_after_the_wedge_timeout(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """A mark has a bound of its own (``--wedge-timeout``), far below the liveness bound of a
+    batch on its way to Kafka (the delivery timeout and more: six minutes by default), so a
+    mark blocked on an operator's row lock turns /healthz bad within the stated bound."""
+    [row_id] = publish(engine, 1, keys=1)
+    stub = StubPublisher()
+    relay = Relay(config(outbox_url, wedge_timeout=1.0), publisher=stub)
+    assert relay.health.stale_after >= 300  # the default delivery timeout's bound, untouched
+    with engine.connect() as operator:
+        operator.execute(sa.text("SELECT id FROM outbox WHERE id = :id FOR UPDATE"), {"id": row_id})
+        with looping(relay):
+            wait_for(lambda: [r.id for r in stub.acked] == [row_id])
+            acked = time.monotonic()
+            wait_for(lambda: not relay.health.alive, 60)
+            took = time.monotonic() - acked
+            assert relay.health.not_alive_because() == (
+                "wedged: a mark or take-over of its shards has not ended for 1s"
+            )
+            assert took < 60  # the wedge timeout's 1 s and the loop's turns, not 300 s and more
+            assert statuses(engine) == {"pending": 1}
+            operator.rollback()
+            wait_for(lambda: statuses(engine) == {"sent": 1})
+            wait_for(lambda: relay.health.alive, 10)
+    print(f"/healthz wedged {took:.2f}s after the ack (wedge timeout 1 s)")
+
+
+def test_a_take_over_that_does_not_end_is_wedged_after_the_wedge_timeout(  # type: ignore[no-untyped-def]
+    outbox_url,
+) -> None:
+    stub = HangingTakeOvers()
+    relay = Relay(config(outbox_url, mode="exactly-once", wedge_timeout=1.0), publisher=stub)
+    assert relay.health.stale_after >= 300
+    try:
+        with looping(relay):
+            wait_for(lambda: owns_all(relay))
+            # A second relay takes half the shards, then stops: the first one gains them back,
+            # and that take-over hangs.
+            with looping(Relay(eos_config(outbox_url), publisher=StubPublisher())):
+                wait_for(lambda: len(relay._ownership.owned) == SHARD_COUNT // 2)  # type: ignore[union-attr]
+            wait_for(lambda: stub.hanging.is_set())
+            hanging = time.monotonic()
+            wait_for(lambda: not relay.health.alive, 60)
+            assert time.monotonic() - hanging < 60  # not the liveness bound's 300 s and more
+            assert relay.health.not_alive_because() == (
+                "wedged: a mark or take-over of its shards has not ended for 1s"
+            )
+            stub.release.set()
+            wait_for(lambda: relay.health.alive, 10)
+    finally:
+        stub.release.set()
+
+
+def test_a_failure_mark_waiting_for_a_row_lock_is_wedged_after_the_wedge_timeout(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """A failed row is recorded by the loop itself, in a transaction: blocked on a row lock,
+    the loop does not turn, and only the liveness bound (minutes) noticed; the mark's own
+    bound does now."""
+    [row_id] = publish(engine, 1, keys=1)
+    stub = StubPublisher()
+    stub.decide = lambda record: "dead"
+    relay = Relay(config(outbox_url, wedge_timeout=1.0), publisher=stub)
+    with engine.connect() as operator:
+        operator.execute(sa.text("SELECT id FROM outbox WHERE id = :id FOR UPDATE"), {"id": row_id})
+        with looping(relay):
+            wait_for(lambda: len(stub.flights) == 1)
+            started = time.monotonic()
+            wait_for(lambda: not relay.health.alive, 60)
+            assert time.monotonic() - started < 60  # not the liveness bound's 300 s and more
+            assert relay.health.not_alive_because() == (
+                "wedged: a mark or take-over of its shards has not ended for 1s"
+            )
+            assert statuses(engine) == {"pending": 1}
+            operator.rollback()
+            wait_for(lambda: statuses(engine) == {"dead": 1})
+            wait_for(lambda: relay.health.alive, 10)

@@ -49,3 +49,19 @@ def test_health_turns_bad_when_one_batch_or_take_over_does_not_end() -> None:
     assert health.not_alive_because().startswith("wedged")
     health.working_since(None)  # it ended
     assert health.alive
+
+
+def test_a_mark_or_take_over_has_a_tighter_bound_than_a_batch_on_its_way_to_kafka() -> None:
+    health = HealthState(stale_after=360, wedge_after=90)
+    health.tick()
+    health.working_since(time.monotonic() - 100)  # a batch Kafka may still answer
+    assert health.alive
+    health.working_since(time.monotonic() - 100, marking=time.monotonic() - 89)
+    assert health.alive
+    health.working_since(time.monotonic() - 100, marking=time.monotonic() - 91)
+    assert not health.alive
+    assert health.not_alive_because() == (
+        "wedged: a mark or take-over of its shards has not ended for 90s"
+    )
+    health.working_since(None, marking=None)
+    assert health.alive
