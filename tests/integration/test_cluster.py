@@ -29,9 +29,7 @@ from tests.relay_helpers import (
     wait_for,
 )
 
-# One worker runs every test with a three-node cluster, the chaos run's too: two at once would
-# take six brokers' memory and CPU on a small machine.
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
