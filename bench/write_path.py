@@ -20,6 +20,11 @@ Then concurrent writers (durable PostgreSQL), side by side in one run:
             c / e is what the outbox adds to writing that row yourself: building the
             message (serializing, ids, checks) and the wake trigger.
 
+Then writers beside running relays (bench.write_relays): 1, 2, 5 and 17 `outbox relay`
+processes relaying to Kafka while 16 pgbench writers insert, the same transaction into the
+table of the outbox's shape as the reference, and the writers' NOTIFYs counted per commit
+(floor: at most 1%).
+
 Prints p50/p99 per transaction and the ratios; the last line is one JSON object.
 Run: make bench-write   (or python -m bench.write_path --n 10000 --writers 1,16,64)
 """
@@ -35,7 +40,7 @@ from collections.abc import Callable
 import orjson
 import sqlalchemy as sa
 
-from bench import write_pgbench
+from bench import write_pgbench, write_relays
 from bench.stack import bench_stack, machine, percentile
 from bench.write_concurrency import measure_concurrent
 from outbox import Message, Outbox, migrate
@@ -159,8 +164,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per case per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per writer count")
+    parser.add_argument(
+        "--relays", default="1,2,5,17", help="relay counts of the case with relays running"
+    )
+    parser.add_argument(
+        "--relay-seconds", type=int, default=10, help="seconds per pgbench run beside relays"
+    )
     args = parser.parse_args(argv)
     writer_counts = [int(w) for w in args.writers.split(",") if w.strip()]
+    relay_counts = [int(r) for r in args.relays.split(",") if r.strip()]
 
     with bench_stack("bench-write") as (_stack, info):
         migrate.upgrade(info.database_url)
@@ -192,6 +204,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
             for number, writers in enumerate(writer_counts)
         }
+        beside_relays = write_relays.measure(
+            info.database_url,
+            info.bootstrap_servers,
+            relay_counts,
+            clients=write_relays.CLIENTS,
+            seconds=args.relay_seconds,
+        )
 
     stats = {}
     for kind in KINDS:
@@ -238,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
             for w, by_kind in python_side.items()
         },
+        "beside_relays": {str(count): figures for count, figures in beside_relays.items()},
         "plain_row_payload_bytes": payload_size,
         "seconds": round(elapsed, 1),
     }
@@ -264,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"outbox vs plain row (c/b, p50): {figures['p50_ratio_vs_plain_row']:.3f}   floor <= 1.15"
     )
     print_concurrent(database_side, python_side, labels)
+    if beside_relays:
+        write_relays.print_figures(beside_relays, write_relays.CLIENTS, args.relay_seconds)
     print(json.dumps(figures))
     return figures
 
