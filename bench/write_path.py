@@ -20,6 +20,11 @@ Then concurrent writers (durable PostgreSQL), side by side in one run:
             c / e is what the outbox adds to writing that row yourself: building the
             message (serializing, ids, checks) and the wake trigger.
 
+Then writers beside running relays (bench.write_relays): 1, 2, 5 and 17 `outbox relay`
+processes relaying to Kafka while 16 pgbench writers insert, the same transaction into the
+table of the outbox's shape as the reference, and the writers' NOTIFYs counted per commit
+(floor: at most 1%).
+
 Prints p50/p99 per transaction and the ratios; the last line is one JSON object.
 Run: make bench-write   (or python -m bench.write_path --n 10000 --writers 1,16,64)
 """
@@ -36,7 +41,7 @@ from pathlib import Path
 import orjson
 import sqlalchemy as sa
 
-from bench import plots, write_pgbench
+from bench import plots, write_pgbench, write_relays
 from bench.stack import bench_stack, machine, percentile
 from bench.write_concurrency import measure_concurrent
 from outbox import Message, Outbox, migrate
@@ -161,10 +166,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per case per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per writer count")
     parser.add_argument(
+        "--relays", default="1,2,5,17", help="relay counts of the case with relays running"
+    )
+    parser.add_argument(
+        "--relay-seconds", type=int, default=10, help="seconds per pgbench run beside relays"
+    )
+    parser.add_argument(
         "--plot", type=Path, metavar="DIR", help="draw the figures as PNG files in DIR (matplotlib)"
     )
     args = parser.parse_args(argv)
     writer_counts = [int(w) for w in args.writers.split(",") if w.strip()]
+    relay_counts = [int(r) for r in args.relays.split(",") if r.strip()]
 
     with bench_stack("bench-write") as (_stack, info):
         migrate.upgrade(info.database_url)
@@ -196,6 +208,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
             for number, writers in enumerate(writer_counts)
         }
+        beside_relays = write_relays.measure(
+            info.database_url,
+            info.bootstrap_servers,
+            relay_counts,
+            clients=write_relays.CLIENTS,
+            seconds=args.relay_seconds,
+        )
 
     stats = {}
     for kind in KINDS:
@@ -242,6 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
             for w, by_kind in python_side.items()
         },
+        "beside_relays": {str(count): figures for count, figures in beside_relays.items()},
         "plain_row_payload_bytes": payload_size,
         "seconds": round(elapsed, 1),
     }
@@ -268,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"outbox vs plain row (c/b, p50): {figures['p50_ratio_vs_plain_row']:.3f}   floor <= 1.15"
     )
     print_concurrent(database_side, python_side, labels)
+    if beside_relays:
+        write_relays.print_figures(beside_relays, write_relays.CLIENTS, args.relay_seconds)
     print(json.dumps(figures))
     if args.plot:
         for path in plots.write_plots(figures, args.plot):

@@ -18,12 +18,15 @@ table's *wake lock* (an advisory lock, see ``OutboxTableSpec.wake_lock``) says w
   never sleep unwatched.
 * A busy relay holds the wake lock shared, as a writer does, for as long as it is busy: no
   relay sleeps while another works, so writers never notify then, however many relays idle
-  beside it. The idle ones look again at the settle pauses meanwhile (at least every
-  :data:`MAX_SETTLE_PAUSE`): a row of their shards waits that long at most, never their poll
-  interval. A relay that gets work while the watcher sleeps is refused the shared hold: it
-  NOTIFYs ``working`` (at most every :data:`WORKING_NOTICE_INTERVAL`), the watcher lets the
-  wake lock go and leaves it alone for :data:`WORKING_GRACE`, and the busy relay takes its
-  shared hold at its next turn.
+  beside it. Busy relays also hold a *work lock* shared, by which the idle ones know that
+  others work: they look again every :data:`WORKING_PAUSE` meanwhile (a row of their
+  shards waits that long at most, never their poll interval), not at the short pauses that
+  writers mid-transaction call for. A relay that gets work while the watcher sleeps is
+  refused the shared hold: it NOTIFYs ``working`` (at most every
+  :data:`WORKING_NOTICE_INTERVAL`), the watcher lets the wake lock go, and the busy relay
+  takes its shared hold at its next turn. The watcher takes the wake lock only while no
+  relay holds the work lock, so it does not take it back meanwhile. A
+  relay alone (the only member) takes neither lock: nobody else could sleep.
 * A relay that can serve no commit (it owns no shard, or stepped aside) holds nothing
   (:meth:`WakeUp.away`): were it to watch, every writer would notify while the others work.
 
@@ -50,10 +53,9 @@ MAX_SETTLE_PAUSE = 0.05
 #: the shared hold, and the least time between two of them.
 WORKING = "working"
 WORKING_NOTICE_INTERVAL = 0.02
-#: Seconds a watcher told that a relay works leaves the wake lock alone: longer than a busy
-#: relay's turn (a wait for Kafka is cut into 0.2 s slices), so that the busy relay takes
-#: its shared hold before the watcher could fall asleep again.
-WORKING_GRACE = 0.5
+#: Pause, in seconds, between the looks of an idle relay while another relay works (it
+#: cannot sleep then, and the rows of its shards wait this long at most).
+WORKING_PAUSE = MAX_SETTLE_PAUSE
 
 
 class WakeUp:
@@ -64,20 +66,23 @@ class WakeUp:
         self.channel = spec.notify_channel
         self.wake_lock = spec.wake_lock
         self.sleeper_lock = spec.sleeper_lock
+        #: Held shared by every busy relay, so that an idle one knows that others work (and
+        #: looks again at WORKING_PAUSE, not at the short pauses that writers call for).
+        self.work_lock = (spec.wake_lock[0], 2)
         #: This relay holds the sleeper lock: it takes the wake lock for the idle ones.
         self.watching = False
         #: This relay holds the wake lock: writers notify.
         self.asleep = False
         #: This relay is busy and holds the wake lock shared: no relay sleeps meanwhile.
         self.working = False
+        #: This relay is busy and holds the work lock shared.
+        self.marked = False
         #: No other relay was a member at the last rebalance: nobody else could sleep while
         #: this one works, so a busy spell costs no lock (a relay that joins meanwhile is
         #: told to stop sleeping at this one's next busy turn after its next rebalance).
         self.alone = False
         self._settle_tries = 0
         self._noticed_at = float("-inf")
-        #: A relay at work asked for the wake lock: the watcher leaves it until then.
-        self._hold_off_until = float("-inf")
 
     def idle(self, timeout: float) -> bool:
         """Nothing to do: take the watch if free, then sleep, or pause briefly while writers
@@ -85,21 +90,21 @@ class WakeUp:
         NOTIFY ended the wait, or this relay just fell asleep)."""
         if self.asleep:
             return self._wait(timeout)
-        if self.working:
-            self.conn.execute("SELECT pg_advisory_unlock_shared(%s, %s)", self.wake_lock)
-            self.working = False
-        if self.watching and time.monotonic() < self._hold_off_until:
-            self._settle_tries += 1
-            return self._wait(min(settle_pause(self._settle_tries), timeout))
-        # One round trip: the watch if free; then, watching, the wake lock and the NOTIFY that
-        # makes every relay look once more (commits made before the lock was ours did not
-        # notify); not watching, whether the watcher sleeps (holds the wake lock).
+        self._release_holds()
+        # One round trip: the watch if free; whether other relays work (hold the work lock);
+        # then, watching and nobody working, the wake lock and the NOTIFY that makes every
+        # relay look once more (commits made before the lock was ours did not notify); not
+        # watching, whether the watcher sleeps (holds the wake lock).
         row = self.conn.execute(
-            "SELECT watching, asleep, watched, "
+            "SELECT watching, asleep, watched, others_work, "
             "CASE WHEN asleep THEN pg_notify(%(channel)s, 'relay')::text END "
             "FROM (SELECT CASE WHEN %(watching)s THEN true "
             "ELSE pg_try_advisory_lock(%(s1)s, %(s2)s) END AS watching OFFSET 0) AS w, "
-            "LATERAL (SELECT CASE WHEN watching THEN pg_try_advisory_lock(%(w1)s, %(w2)s) "
+            "(SELECT CASE WHEN pg_try_advisory_lock(%(k1)s, %(k2)s) "
+            "THEN NOT pg_advisory_unlock(%(k1)s, %(k2)s) "
+            "ELSE true END AS others_work OFFSET 0) AS o, "
+            "LATERAL (SELECT CASE WHEN watching AND NOT others_work "
+            "THEN pg_try_advisory_lock(%(w1)s, %(w2)s) "
             "ELSE false END AS asleep OFFSET 0) AS a, "
             "LATERAL (SELECT CASE WHEN watching THEN true "
             "WHEN pg_try_advisory_lock_shared(%(w1)s, %(w2)s) "
@@ -112,6 +117,8 @@ class WakeUp:
                 "s2": self.sleeper_lock[1],
                 "w1": self.wake_lock[0],
                 "w2": self.wake_lock[1],
+                "k1": self.work_lock[0],
+                "k2": self.work_lock[1],
             },
         ).fetchone()
         assert row is not None
@@ -119,9 +126,13 @@ class WakeUp:
         if self.asleep:
             self._settle_tries = 0
             return True  # the last look, for commits made before the lock was ours
+        if row[3]:
+            # Other relays work: nobody sleeps, writers do not notify, and this relay looks
+            # again at a pace that costs the database little.
+            return self._wait(min(WORKING_PAUSE, timeout))
         if self.watching or not watched:
-            # Writers are mid-transaction (any of them may have skipped its NOTIFY) or a relay
-            # works: the watcher cannot sleep yet, and nobody else may either while it cannot.
+            # Writers are mid-transaction, and any of them may have skipped its NOTIFY: the
+            # watcher cannot sleep yet, and nobody else may either while it cannot.
             self._settle_tries += 1
             return self._wait(min(settle_pause(self._settle_tries), timeout))
         self._settle_tries = 0
@@ -131,40 +142,40 @@ class WakeUp:
         """Work was found: hold the wake lock shared while busy (no relay sleeps, writers do
         not notify), and hand the watch back. Costs nothing once the hold is taken."""
         self._settle_tries = 0
-        if self.working:
-            return
         if self.alone:
             if self.watching:
                 self.away()
             return
-        if self.watching:
-            # Unlocks first, in order, then the shared hold (nobody else holds the lock
-            # exclusively: only the watcher takes it so); the NOTIFY (delivered at this
-            # statement's commit) tells relays that slept in this one's care to take the
-            # watch over.
-            unlock_wake = "pg_advisory_unlock(%s, %s), " if self.asleep else ""
-            row = self.conn.execute(
-                f"SELECT {unlock_wake}pg_advisory_unlock(%s, %s), "
-                "pg_notify(%s, 'relay'), pg_try_advisory_lock_shared(%s, %s)",
-                (
-                    *(self.wake_lock if self.asleep else ()),
-                    *self.sleeper_lock,
-                    self.channel,
-                    *self.wake_lock,
-                ),
-            ).fetchone()
-            self.watching = self.asleep = False
-            self.working = row is not None and bool(row[-1])
+        if self.working and self.marked:
             return
-        # The watcher may sleep: then tell it that a relay works (it lets the lock go), and
-        # try again at the next turn.
+        if self.watching:
+            self.away()  # hands the watch over: relays that slept in its care take it
+        # The work lock is only ever held exclusively for the length of one statement (an
+        # idle relay's look): waiting for it is waiting for that statement. The wake lock is
+        # refused while the watcher sleeps: then tell it that a relay works (it lets the
+        # lock go), and try again at the next turn.
         now = time.monotonic()
         notice = now - self._noticed_at >= WORKING_NOTICE_INTERVAL
         row = self.conn.execute(
-            "SELECT held, CASE WHEN NOT held AND %s THEN pg_notify(%s, %s)::text END "
-            "FROM (SELECT pg_try_advisory_lock_shared(%s, %s) AS held OFFSET 0) AS h",
-            (notice, self.channel, WORKING, *self.wake_lock),
+            "SELECT held, CASE WHEN NOT held AND %(notice)s "
+            "THEN pg_notify(%(channel)s, %(payload)s)::text END "
+            "FROM (SELECT CASE WHEN %(mark)s "
+            "THEN pg_advisory_lock_shared(%(k1)s, %(k2)s)::text END AS marked, "
+            "CASE WHEN %(hold)s THEN pg_try_advisory_lock_shared(%(w1)s, %(w2)s) "
+            "ELSE true END AS held OFFSET 0) AS h",
+            {
+                "notice": notice,
+                "channel": self.channel,
+                "payload": WORKING,
+                "mark": not self.marked,
+                "hold": not self.working,
+                "k1": self.work_lock[0],
+                "k2": self.work_lock[1],
+                "w1": self.wake_lock[0],
+                "w2": self.wake_lock[1],
+            },
         ).fetchone()
+        self.marked = True
         self.working = row is not None and bool(row[0])
         if not self.working and notice:
             self._noticed_at = now
@@ -172,9 +183,7 @@ class WakeUp:
     def away(self) -> None:
         """This relay can serve no commit (it owns no shard, stepped aside, cannot publish, is
         stopping): hold nothing, and hand the watch back."""
-        if self.working:
-            self.conn.execute("SELECT pg_advisory_unlock_shared(%s, %s)", self.wake_lock)
-            self.working = False
+        self._release_holds()
         if self.watching:
             unlock_wake = "pg_advisory_unlock(%s, %s), " if self.asleep else ""
             self.conn.execute(
@@ -186,8 +195,26 @@ class WakeUp:
 
     def forget(self) -> None:
         """The connection is gone, and its locks with it."""
-        self.watching = self.asleep = self.working = False
+        self.watching = self.asleep = self.working = self.marked = False
         self._settle_tries = 0
+
+    def _release_holds(self) -> None:
+        """Let go of what a busy spell held (one round trip, none if nothing is held)."""
+        if not (self.working or self.marked):
+            return
+        self.conn.execute(
+            "SELECT CASE WHEN %(hold)s THEN pg_advisory_unlock_shared(%(w1)s, %(w2)s) END, "
+            "CASE WHEN %(mark)s THEN pg_advisory_unlock_shared(%(k1)s, %(k2)s) END",
+            {
+                "hold": self.working,
+                "mark": self.marked,
+                "w1": self.wake_lock[0],
+                "w2": self.wake_lock[1],
+                "k1": self.work_lock[0],
+                "k2": self.work_lock[1],
+            },
+        )
+        self.working = self.marked = False
 
     def _wait(self, timeout: float) -> bool:
         woken = False
@@ -199,9 +226,10 @@ class WakeUp:
             told_working = told_working or notice.payload == WORKING
         if told_working and self.asleep:
             # A relay works: let it take its shared hold; writers stop notifying then.
+            # The busy relay holds the work lock: this one will not take the wake lock again
+            # before it is idle.
             self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", self.wake_lock)
             self.asleep = False
-            self._hold_off_until = time.monotonic() + WORKING_GRACE
         return woken
 
 

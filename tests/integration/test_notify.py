@@ -269,6 +269,7 @@ def test_no_commit_is_missed_while_relays_fall_asleep_and_wake(engine: sa.Engine
     """Writers commit in bursts while two relays go through the idle/busy cycle as fast as
     they can; after each commit some relay must learn of it without waiting for a poll."""
     stop = threading.Event()
+    relays_stop = threading.Event()
     committed: list[float] = []
     seen: list[tuple[float, int]] = []
     lock = threading.Lock()
@@ -277,6 +278,8 @@ def test_no_commit_is_missed_while_relays_fall_asleep_and_wake(engine: sa.Engine
         ob = Outbox(engine)
         while not stop.is_set():
             for _ in range(3 + number):
+                if stop.is_set():
+                    return
                 with ob.transaction() as tx:
                     tx.publish("orders", b"x")
                 with lock:
@@ -290,14 +293,20 @@ def test_no_commit_is_missed_while_relays_fall_asleep_and_wake(engine: sa.Engine
             conn.execute(f'LISTEN "{CHANNEL}"')
             wake = WakeUp(conn, DEFAULT_SPEC)
             last = 0
-            while not stop.is_set():
-                # The relay's look: take whatever committed since the last one.
+            while True:
+                # The relay's look: take whatever committed since the last one (and a last
+                # look once the writers are done, so that a commit just before it counts).
+                finished = relays_stop.is_set()
                 count = conn.execute("SELECT count(*) FROM outbox").fetchone()
                 total = int(count[0]) if count else 0
-                if total > last:
+                found = total > last
+                if found:
                     with lock:
                         seen.append((time.monotonic(), total))
                     last = total
+                if finished:
+                    return
+                if found:
                     wake.busy()
                 else:
                     wake.idle(30.0)  # a lost wake-up would show as a 30 s stall
@@ -308,9 +317,12 @@ def test_no_commit_is_missed_while_relays_fall_asleep_and_wake(engine: sa.Engine
         thread.start()
     time.sleep(8)
     stop.set()
+    for thread in threads[:4]:
+        thread.join(40)
+    relays_stop.set()
     with engine.begin() as conn:  # the relays' last wait ends with this
         conn.execute(sa.text("SELECT pg_notify(:c, 'relay')"), {"c": CHANNEL})
-    for thread in threads:
+    for thread in threads[4:]:
         thread.join(40)
     assert len(committed) > 60
     # The n-th commit (in time order) is seen by the first look that counts n rows or more.

@@ -1068,8 +1068,8 @@ def test_reads_and_marks_beside_the_owner_session_stop_once_it_is_gone(engine, o
         store.record_outcome(acks, connection=beside, owner_key=key)
         assert statuses(engine) == {"sent": len(read), "pending": 400 - len(read)}
 
-        owner.close()  # its locks go with it
-        assert not store.owner_alive(beside, key)
+        owner.close()  # its locks go with it, once its backend has exited (not at once)
+        wait_for(lambda: not store.owner_alive(beside, key), 10)
         assert store.read_batch(list(range(SHARD_COUNT)), 1000, beside, 1000, key) == []
         rest = [
             Ack(row.id, 0, n, row.record.generation)  # type: ignore[union-attr]
