@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
     reason="commit --after-rollback does not see that a retry took the idempotency key since",
 )
 def test_after_rollback_refuses_a_message_whose_idempotency_key_a_retry_took(
-    engine, outbox_url
-) -> None:  # type: ignore[no-untyped-def]
+    engine: sa.Engine, outbox_url: str
+) -> None:
     prepared = PreparedMessages(Outbox(engine), check_after=0)
     first = prepared.prepare(
         "orders", {"order": 41}, key=41, idempotency_key="order-41-created", group="keys"
