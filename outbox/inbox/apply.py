@@ -140,12 +140,13 @@ def handler_error(exc: BaseException) -> str:
     ``MAX_ERROR_TEXT`` characters (the innermost frames are kept when it is cut)."""
     summary = _short_error(exc)
     frames = "".join(traceback.format_tb(exc.__traceback__))
-    room = MAX_ERROR_TEXT - len(summary) - 40
+    header, cut = "\nTraceback (most recent call last):\n", "  ...\n"
+    room = MAX_ERROR_TEXT - len(summary) - len(header) - len(cut)
     if room <= 0 or not frames:
         return summary[:MAX_ERROR_TEXT]
     if len(frames) > room:
-        frames = "  ...\n" + frames[-room:]
-    return f"{summary}\nTraceback (most recent call last):\n{frames}".rstrip()
+        frames = cut + frames[-room:]
+    return f"{summary}{header}{frames}".rstrip()
 
 
 def _broken_connection(exc: BaseException) -> bool:

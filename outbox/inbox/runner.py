@@ -381,7 +381,11 @@ class InboxRunner(Stoppable):
         try:
             self._applier.apply_requeued()
         except DatabaseUnavailable as exc:
+            # An idle consumer learns of an outage here only: /healthz must see it too.
+            self.health.database_ok = False
             log.warning("could not look for requeued messages", extra={"error": str(exc)})
+            return
+        self.health.database_ok = True
 
     def _purge(self, engine: sa.Engine, retention: timedelta) -> None:
         try:

@@ -1,0 +1,30 @@
+"""A handler's error as it is parked: the traceback is cut to keep the whole text within
+MAX_ERROR_TEXT, so that the store's own cut never eats the innermost frame."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from outbox.inbox.apply import MAX_ERROR_TEXT, handler_error
+
+
+def deep_error(depth: int) -> BaseException:
+    """A KeyError raised ``depth`` distinct frames down (no repeated lines to fold)."""
+    source = "def f0():\n    raise KeyError('total')\n" + "".join(
+        f"def f{i}():\n    f{i - 1}()\n" for i in range(1, depth)
+    )
+    names: dict[str, Any] = {}
+    exec(compile(source, "handlers_with_a_long_module_path.py", "exec"), names)
+    try:
+        names[f"f{depth - 1}"]()
+    except KeyError as exc:
+        return exc
+    raise AssertionError("no error")
+
+
+def test_a_cut_traceback_stays_within_the_bound_and_keeps_the_innermost_frame() -> None:
+    for depth in range(150, 200):
+        text = handler_error(deep_error(depth))
+        assert len(text) <= MAX_ERROR_TEXT, (depth, len(text))
+        assert text.startswith("KeyError: 'total'\nTraceback (most recent call last):\n  ...\n")
+        assert text.endswith("line 2, in f0")  # the innermost frame, whole
