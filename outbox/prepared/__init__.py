@@ -32,7 +32,7 @@ from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer
 from outbox.prepared.api import Prepared, PreparedMessages, TransactionResult
 from outbox.prepared.checkers import CheckMessage, CheckRegistry, load_registry
 from outbox.prepared.config import DEAD_AT_MAX, ROLLBACK_AT_MAX, CheckbackConfig
-from outbox.prepared.steps import StepAbandoned, StepLog, bound_step
+from outbox.prepared.steps import StepAbandoned, StepInProgress, StepLog, bound_step
 
 if TYPE_CHECKING:
     from outbox.prepared.metrics import CheckbackMetrics
@@ -53,6 +53,7 @@ __all__ = [
     "Prepared",
     "PreparedMessages",
     "StepAbandoned",
+    "StepInProgress",
     "StepLog",
     "TransactionResult",
     "bound_step",

@@ -61,6 +61,13 @@ class StepAbandoned(OutboxError):
         self.message_id = message_id
 
 
+class StepInProgress(OutboxError):
+    """The step's transaction still holds the message id when the checker would abandon it:
+    undecided. Raised by :meth:`StepLog.answer` so that the check counts as a failed one:
+    check-back never ends such a message rolled back (at ``max_checks`` it ends dead, for an
+    operator), since the step can still commit."""
+
+
 class StepLog:
     """The message ids of business steps, in a table of the step's own database.
 
@@ -118,8 +125,9 @@ class StepLog:
     ) -> Answer:
         """The checker's answer for ``message``: COMMIT when its step recorded it; else, once
         the message is ``abandon_after`` old, ROLLBACK after recording it abandoned (so that
-        the step can never record it); UNKNOWN before that, or while the step's transaction
-        holds the id (waited for at most ``lock_timeout``)."""
+        the step can never record it); UNKNOWN before that. While the step's transaction
+        holds the id (waited for at most ``lock_timeout``) it raises :class:`StepInProgress`:
+        a failed check, which never ends the message rolled back."""
         if lock_timeout <= timedelta(0):
             raise ConfigError("lock_timeout must be positive")
         if message.age < abandon_after:
@@ -135,7 +143,12 @@ class StepLog:
                 outcome = conn.execute(self._outcome(message.id)).scalar()
         except exc.OperationalError as error:
             if getattr(error.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-                return UNKNOWN  # the step's transaction holds the id: not decided yet
+                # The step's transaction holds the id and can still commit: a failed check,
+                # not an UNKNOWN, so that no count of checks ends the message rolled back.
+                raise StepInProgress(
+                    f"the step of message {message.id} still holds it after "
+                    f"{lock_timeout.total_seconds():g}s: undecided",
+                ) from error
             raise
         return COMMIT if outcome == DONE else ROLLBACK
 

@@ -76,8 +76,9 @@ def test_a_step_waiting_on_a_lock_is_not_rolled_back_under_it(engine, outbox_url
                 lambda: base.row(engine, message.message_id)["check_count"] > checks, 30, "more"
             )
             stored = base.row(engine, message.message_id)
-            # The step has not committed and still can: never rolled back meanwhile.
-            assert (stored["status"], stored["last_check_answer"]) == ("prepared", "unknown")
+            # The step has not committed and still can: a failed check (never an UNKNOWN that
+            # --on-max-checks rollback could end rolled back), and still prepared.
+            assert (stored["status"], stored["last_check_answer"]) == ("prepared", "error")
             assert not step_done.is_set()
             blocker.rollback()  # the lock goes: the order commits, late
             writer.join(30)
