@@ -5,6 +5,8 @@ as rolled back. ``check_failures`` counts those among ``check_count``, so that c
 rolls a message back at ``max_checks`` only when every check answered UNKNOWN, and leaves it
 dead for an operator otherwise.
 
+A prepared message whose last check before the upgrade failed counts one failed check.
+
 The column has a constant default: adding it rewrites nothing, and the ALTER TABLE holds the
 table's lock for a moment only (waiting at most
 ``outbox.migration_support.LOCK_TIMEOUT`` for it, then failing with nothing changed).
@@ -32,6 +34,13 @@ def upgrade() -> None:
     op.execute(
         f'ALTER TABLE "{spec.schema}"."{spec.table}" '
         "ADD COLUMN IF NOT EXISTS check_failures integer NOT NULL DEFAULT 0"
+    )
+    # A message whose last check before the upgrade failed keeps that failure (earlier
+    # answers were not kept): check-back must not end it rolled back. Few rows: the
+    # prepared ones, through their partial index.
+    op.execute(
+        f'UPDATE "{spec.schema}"."{spec.table}" SET check_failures = 1 '
+        "WHERE status = 'prepared' AND last_check_answer IN ('error', 'timeout')"
     )
 
 

@@ -14,11 +14,6 @@ from tests.relay_helpers import wait_for
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="revision 0007 starts check_failures at 0 for every row, also where the last "
-    "check before the upgrade failed",
-)
 def test_a_check_that_failed_before_the_upgrade_still_counts(database_url: str) -> None:
     migrate.upgrade(database_url, revision="0006_wake_lock_in_condition")
     engine = sa.create_engine(database_url)
