@@ -367,6 +367,11 @@ class InboxRunner(Stoppable):
             return
         try:
             positions = consumer.position([TopicPartition(t, p) for t, p in self._assigned])
+            if positions and not self.health.kafka_ok:
+                # Out of reach last we heard: one call that must reach the broker tells an
+                # idle consumer (nothing to commit, no rebalance) that Kafka is back.
+                consumer.get_watermark_offsets(positions[0], timeout=1.0, cached=False)
+                self.health.kafka_ok = True
             for position in positions:
                 _, high = consumer.get_watermark_offsets(position, cached=True)
                 if position.offset >= 0 and high >= 0:

@@ -16,11 +16,6 @@ from tests.relay_helpers import wait_for
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="only an assignment or a confirmed offset commit sets kafka_ok again; an idle "
-    "consumer has neither after a short broker outage",
-)
 def test_an_idle_consumer_is_ready_again_once_kafka_is_back(
     outbox_url: str, faulty_kafka: FaultProxy, make_topic: Callable[..., str]
 ) -> None:
