@@ -22,7 +22,8 @@ from outbox import Outbox
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from tests.relay_helpers import RelayProcess, start_relay_process, stop_process, wait_for
 
-pytestmark = pytest.mark.integration
+# The worst delays are wall-clock bounds: run alone, after the parallel tests.
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 #: Worst commit-to-sent delay allowed after shards moved. Taking shards over one after
 #: another inside the loop delayed messages by 8-13 s here (exactly-once); in the background,
