@@ -21,6 +21,7 @@ from outbox.cli_options import (
     bootstrap_servers_option,
     kafka_settings_option,
     parse_key_values,
+    psycopg_url_option_value,
 )
 from outbox.durations import parse_duration
 from outbox.errors import OutboxError
@@ -123,7 +124,9 @@ OUTPUT = click.option(
     "--database-url",
     envvar="OUTBOX_DATABASE_URL",
     show_envvar=True,
-    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db (needed to audit).",
+    callback=psycopg_url_option_value,
+    help="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db (needed to audit); "
+    "postgres:// and postgresql:// mean the same (psycopg 3).",
 )
 @SCHEMA
 @TABLE

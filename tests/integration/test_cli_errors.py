@@ -43,6 +43,8 @@ COMMANDS = {
     "prepared rollback": ["prepared", "rollback", "--all"],
     "inbox install": ["inbox", "install"],
     "inbox parked list": ["inbox", "parked", "list"],
+    # The database is looked at before Spark starts: its failures cost no JVM.
+    "reconcile": ["reconcile", *NO_KAFKA],
 }
 #: The commands that need a table to exist (the others create it or report that it is missing).
 NEED_A_TABLE = sorted(set(COMMANDS) - {"db upgrade", "db current", "inbox install"})
