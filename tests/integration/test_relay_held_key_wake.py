@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # a poll that happens to land within the bound would pass it
     reason="an immediate sender marking its row sent wakes no relay: the key's later row, "
     "held back behind it, waits for the poll interval",
 )
