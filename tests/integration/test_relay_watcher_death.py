@@ -38,7 +38,9 @@ def freeze_when_idle(relay: Relay, frozen: threading.Event, thaw: threading.Even
     wake.idle = frozen_idle  # type: ignore[method-assign]
 
 
-def test_a_commit_after_the_watcher_died_goes_at_the_survivors_next_look(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+def test_a_commit_after_the_watcher_died_goes_at_the_survivors_next_look(
+    engine, outbox_url
+) -> None:  # type: ignore[no-untyped-def]
     first_stub = StubPublisher(latency=0.002)
     first = Relay(
         config(outbox_url, poll_interval=INTERVAL, rebalance_interval=INTERVAL),
