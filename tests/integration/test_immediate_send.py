@@ -9,7 +9,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from outbox import ID_HEADER, Message, Outbox
+from outbox import ID_HEADER, NO_KEY, Message, NoKey, Outbox
 from outbox.devstack.topics import consume_messages
 from outbox.immediate import ImmediateSender
 from outbox.schema import DEFAULT_SPEC
@@ -32,7 +32,7 @@ def publish(
     engine: sa.Engine,
     topic: str,
     count: int,
-    key: str | None = None,
+    key: str | NoKey = NO_KEY,
     leased_to: ImmediateSender | str | None = None,
     lease_seconds: float = 10.0,
 ) -> list[uuid.UUID]:

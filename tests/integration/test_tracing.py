@@ -26,6 +26,7 @@ from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
 import outbox
 from examples.fastapi_service import app as service
+from examples.fastapi_service import models as service_models
 from outbox.devstack.procs import free_port
 from outbox.devstack.topics import consume_messages
 from outbox.tracing import extract_context
@@ -62,6 +63,8 @@ def test_one_trace_from_the_request_to_the_relay_and_the_consumer(
 ) -> None:  # type: ignore[no-untyped-def]
     spans = recorded_spans()
     topic = make_topic("traced")
+    # The service's own tables (its Alembic history makes them in production).
+    service_models.Base.metadata.create_all(engine)
     monkeypatch.setattr(service, "ob", outbox.Outbox(outbox_url))
     monkeypatch.setattr(service, "ORDERS_TOPIC", topic)
     with serving_in_thread() as base:
