@@ -57,6 +57,24 @@ TABLE_DATABASE_URL = click.option(
 )
 
 
+def topic_selection(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of the commands that look at topics: NAMES, --file, the table's own topics
+    (--database-url, --schema, --table) and the Kafka connection."""
+    for option in reversed(
+        (
+            click.argument("names", nargs=-1),
+            FILE,
+            TABLE_DATABASE_URL,
+            SCHEMA,
+            TABLE,
+            bootstrap_servers_option(required=True),
+            KAFKA,
+        )
+    ):
+        command = option(command)
+    return command
+
+
 def _admin(bootstrap_servers: str, kafka_settings: tuple[str, ...]) -> Any:
     from outbox.inbox.config import kafka_config_from_env
     from outbox.topic_admin import TopicAdmin
@@ -198,13 +216,7 @@ def _names_to_look_at(
 
 
 @topics.command("describe")
-@click.argument("names", nargs=-1)
-@FILE
-@TABLE_DATABASE_URL
-@SCHEMA
-@TABLE
-@bootstrap_servers_option(required=True)
-@KAFKA
+@topic_selection
 def describe(
     names: tuple[str, ...],
     topics_file: Path | None,
@@ -227,13 +239,7 @@ def describe(
 
 
 @topics.command("check")
-@click.argument("names", nargs=-1)
-@FILE
-@TABLE_DATABASE_URL
-@SCHEMA
-@TABLE
-@bootstrap_servers_option(required=True)
-@KAFKA
+@topic_selection
 def check(
     names: tuple[str, ...],
     topics_file: Path | None,
