@@ -680,6 +680,12 @@ def owns_all(relay: Relay) -> bool:
     return relay._ownership is not None and len(relay._ownership.owned) == SHARD_COUNT
 
 
+def serves_all(relay: Relay) -> bool:
+    """Owns every shard, has taken each over, and says so to the other members: a relay that
+    joins now and fails may step aside for it at once."""
+    return owns_all(relay) and not relay._take_overs and relay._ownership.serving  # type: ignore[union-attr]
+
+
 def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_sends_all(  # type: ignore[no-untyped-def]
     engine, outbox_url, monkeypatch
 ) -> None:
@@ -691,22 +697,28 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
     healthy_stub, failing_stub = StubPublisher(), FailingTakeOvers()
     healthy = Relay(eos_config(outbox_url), publisher=healthy_stub)
     failing = Relay(eos_config(outbox_url), publisher=failing_stub)
-    with looping(healthy), looping(failing):
-        wait_for(lambda: failing.health.stepped_aside)
-        assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
-        publish(engine, 400, keys=100)  # every shard gets some
-        wait_for(lambda: statuses(engine) == {"sent": 400})
-        assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
-        assert owns_all(healthy)
-        assert not failing.health.ready and "stepped aside" in failing.health.not_ready_because()
-        # Back after its pause, one failed take-over sends it out again, twice as long.
-        wait_for(lambda: failing.step_asides == 2, 20)
-        assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE + 1
-        # Its return made the healthy relay give it a share for a moment; it takes it back.
-        wait_for(lambda: owns_all(healthy), 5)
-        publish(engine, 100, keys=100)
-        wait_for(lambda: statuses(engine) == {"sent": 500})
-        assert len(healthy_stub.acked) == 500 and by_key_in_seq_order(healthy_stub.acked)
+    with looping(healthy):
+        # Joining before the healthy relay serves, the failing one rightly keeps trying while
+        # nobody else can send (test_the_last_relay_never_steps_aside): more failures.
+        wait_for(lambda: serves_all(healthy))
+        with looping(failing):
+            wait_for(lambda: failing.health.stepped_aside)
+            assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
+            publish(engine, 400, keys=100)  # every shard gets some
+            wait_for(lambda: statuses(engine) == {"sent": 400})
+            assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
+            assert owns_all(healthy)
+            assert (
+                not failing.health.ready and "stepped aside" in failing.health.not_ready_because()
+            )
+            # Back after its pause, one failed take-over sends it out again, twice as long.
+            wait_for(lambda: failing.step_asides == 2, 20)
+            assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE + 1
+            # Its return made the healthy relay give it a share for a moment; it takes it back.
+            wait_for(lambda: owns_all(healthy), 5)
+            publish(engine, 100, keys=100)
+            wait_for(lambda: statuses(engine) == {"sent": 500})
+            assert len(healthy_stub.acked) == 500 and by_key_in_seq_order(healthy_stub.acked)
 
 
 def test_relays_whose_take_overs_all_fail_never_step_aside(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
@@ -754,7 +766,7 @@ def a_steps_aside_for_b(
     b = Relay(eos_config(outbox_url), publisher=b_stub)
     a = Relay(eos_config(outbox_url), publisher=a_stub)
     with looping(b):
-        wait_for(lambda: owns_all(b))
+        wait_for(lambda: serves_all(b))
         with looping(a):
             wait_for(lambda: a.step_asides == 1)
             yield a, b
@@ -905,7 +917,7 @@ def test_a_relay_that_stepped_aside_after_its_batches_came_back_is_not_reported_
     a = Relay(eos_config(outbox_url), publisher=a_stub)
     a.health.stale_after = 3.0  # 30 s or more for real; the pause runs up to 160 s
     with looping(b):
-        wait_for(lambda: owns_all(b))
+        wait_for(lambda: serves_all(b))
         with looping(a):
             wait_for(lambda: a._ownership is not None and len(a._ownership.owned) == 8)
             a_stub.decide = lambda record: "lost"
