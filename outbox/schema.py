@@ -113,6 +113,10 @@ class OutboxTableSpec:
         return f"{self.table}_retry_idx"
 
     @property
+    def lease_index(self) -> str:
+        return f"{self.table}_lease_idx"
+
+    @property
     def idempotency_index(self) -> str:
         return f"{self.table}_idempotency_key_idx"
 
@@ -200,6 +204,16 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
             "key",
             "seq",
             postgresql_where=sa.text("status = 'pending' AND next_attempt_at IS NOT NULL"),
+        ),
+        # Pending rows leased to an immediate sender (few): the relay passes over them and the
+        # later rows of their keys without counting them in a shard's read window.
+        sa.Index(
+            f"{name}_lease_idx",
+            "shard",
+            "topic",
+            "key",
+            "seq",
+            postgresql_where=sa.text("status = 'pending' AND lease_until IS NOT NULL"),
         ),
         # Prepared rows only (few), by check group in the order the check-back runners take
         # them: a runner's claim reads its own groups' due rows, not every group's.

@@ -100,6 +100,9 @@ NOBODY_SERVING_GRACE = 5.0
 UNREACHABLE_BEFORE_STEPPING_ASIDE = 10.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
+#: Longest sleep of an idle relay while an immediate sender holds rows of its shards: the
+#: sender's mark wakes nobody, and the held keys' later rows may go once it lands.
+HELD_RELOOK_SECONDS = 0.05
 #: The wait for an outcome being recorded while batches are in flight: Kafka's reports
 #: are served at least this often meanwhile.
 RECORDING_POLL = 0.002
@@ -285,7 +288,7 @@ class Relay:
                         self._wake.away()
                         self._stop.wait(self._sleep_timeout())
                     else:
-                        self._wake.idle(self._sleep_timeout())
+                        self._wake.idle(self._idle_timeout())
                 except (
                     psycopg.OperationalError,
                     sa_exc.OperationalError,
@@ -623,6 +626,18 @@ class Relay:
     def _sleep_timeout(self) -> float:
         """How long an idle relay may sleep: until the poll interval or the next rebalance."""
         return min(self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic()))
+
+    def _idle_timeout(self) -> float:
+        """How long an idle relay that owns shards may sleep: while an immediate sender holds
+        rows of them, a short while only. Its mark, an UPDATE, wakes nobody, and the later
+        rows of the held keys (given back, or written without immediate send) may go then."""
+        timeout = self._sleep_timeout()
+        assert self._ownership is not None and self._reader is not None
+        if timeout > HELD_RELOOK_SECONDS and self.store.leases_held(
+            sorted(self._ownership.owned), self._reader
+        ):
+            return HELD_RELOOK_SECONDS
+        return timeout
 
     def _connect(self) -> None:
         # Kafka first: a publisher that could not be made (broker unreachable) is retried on

@@ -16,11 +16,9 @@ snapshot differ: a look never stands for more than it saw.
 The relay's own marks commit too, one per batch. A mark only sets rows sent that a read took,
 and a read that takes rows of a shard drops its look, so a snapshot that differs only by
 transactions the relay knows are its own marks still stands for the shards found empty.
-(Fewer rows than a shard's window does not mean none were left: the window is taken before
-the rows an immediate sender holds, and the rows of their keys, are passed over. For the same
-reason a look stands only for a read with the same window, which, at-least-once, changes
-with the number of shards owned.) Any other commit, a NOTIFY of a relay going to sleep
-included, makes the next read a real one.
+(A look stands only for a read with the same window, which, at-least-once, changes with the
+number of shards owned: a read's size bounds what it can call empty.) Any other commit, a
+NOTIFY of a relay going to sleep included, makes the next read a real one.
 """
 
 from __future__ import annotations

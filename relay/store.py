@@ -14,12 +14,7 @@ from outbox.rows import READ_COLUMNS, Failure, OutboxRows, PendingRow, pending_r
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
-__all__ = ["HELD_REACH", "Failure", "PendingRow", "RelayStore", "shard_window"]
-
-#: How many rows leased by immediate senders a read passes over in one shard to fill its
-#: window with rows that may go (leases are short: a sender holds at most what it sent in
-#: the last few seconds). It also bounds the read's walk of a shard whatever the leases.
-HELD_REACH = 10_000
+__all__ = ["Failure", "PendingRow", "RelayStore", "shard_window"]
 
 
 def shard_window(batch_size: int, shards: int) -> int:
@@ -67,7 +62,6 @@ class RelayStore(OutboxRows):
         params = {
             "shards": list(shards),
             "window": window,
-            "held_reach": HELD_REACH,
             "batch_size": batch_size,
             "owner_key": owner_key,
             **self.spec.owner_session_keys,
@@ -158,6 +152,15 @@ class RelayStore(OutboxRows):
         row = session.execute(
             self._psycopg_sql("owner_alive"),
             {"owner_key": owner_key, **self.spec.owner_session_keys},
+        ).fetchone()
+        return row is not None and bool(row[0])
+
+    def leases_held(self, shards: Sequence[int], connection: psycopg.Connection) -> bool:
+        """Whether an immediate sender holds pending rows of ``shards``."""
+        if not shards:
+            return False
+        row = connection.execute(
+            self._psycopg_sql("leases_held"), {"shards": list(shards)}
         ).fetchone()
         return row is not None and bool(row[0])
 

@@ -164,65 +164,66 @@ DELETE FROM {table} AS o
 -- shards (it holds their advisory locks, so no row is written to keep other relays away).
 -- A key whose earliest pending row cannot go now (backing off before a retry, or leased by an
 -- immediate sender) is held back from that row on: later messages never overtake it.
--- Each shard's window is its first :window rows that could go: rows backing off, and the rows
--- of their keys behind them, are passed over (one probe of the small retry index per row), so
--- that a key with a deep backlog behind a failing message never fills the window by itself.
--- Leased rows are passed over too, counted out of the window by a running count of the rows
--- that are not leased (the run condition of that count stops the walk of the pending index
--- once the window is full): however many rows the immediate sender holds at a shard's head,
--- the rows of other keys behind them are read. The leased rows walked over still hold their
--- keys' later rows back (blockers).
+-- Each shard's window is its first :window rows that may go. Rows that may not are passed over
+-- before they are counted, each by one probe of a small partial index, and only in a shard
+-- that has such rows: rows backing off and the later rows of their keys (the retry index),
+-- rows leased by an immediate sender and the later rows of their keys (the lease index). So a
+-- key with a deep backlog behind a failing or leased message never fills the window by itself.
 -- Given :owner_key, nothing is read once its owner session is gone (see owner_alive).
 WITH held AS MATERIALIZED (
     SELECT s.shard
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
      WHERE CAST(:owner_key AS integer) IS NULL OR ({owner_alive})),
 window_rows AS (
-    SELECT o.*
+    SELECT p.*
       FROM held AS s
      CROSS JOIN LATERAL (
            SELECT EXISTS (
                   SELECT 1 FROM {table} AS f
                    WHERE f.status = 'pending' AND f.next_attempt_at > now()
-                     AND f.shard = s.shard) AS backing_off) AS r
+                     AND f.shard = s.shard) AS backing_off,
+                  EXISTS (
+                  SELECT 1 FROM {table} AS l
+                   WHERE l.status = 'pending' AND l.lease_until IS NOT NULL
+                     AND l.lease_until > now() AND l.shard = s.shard) AS leasing) AS r
      CROSS JOIN LATERAL (
-           SELECT *
-             FROM (SELECT w.*,
-                          count(*) FILTER (WHERE w.lease_until IS NULL OR w.lease_until <= now())
-                              OVER (ORDER BY w.seq) AS free_rows
-                     FROM (SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type,
-                                  p.header_names, p.header_values, p.attempts, p.created_at,
-                                  p.generation, p.lease_until
-                             FROM {table} AS p
-                            WHERE p.status = 'pending' AND p.shard = s.shard
-                              AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
-                              -- Probed only in a shard with rows backing off, and kept a probe
-                              -- per row by the OR (an anti join would compare each row with
-                              -- every row backing off).
-                              AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
-                                  SELECT 1
-                                    FROM {table} AS f
-                                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
-                                     AND f.shard = p.shard AND f.topic = p.topic
-                                     AND f.key = p.key AND f.seq < p.seq))
-                            ORDER BY p.seq
-                            LIMIT CAST(:window AS integer) + CAST(:held_reach AS integer)) AS w)
-                  AS counted
-            WHERE counted.free_rows <= :window) AS o),
-blockers AS (
-    SELECT topic, key, min(seq) AS seq
-      FROM window_rows
-     WHERE key IS NOT NULL AND lease_until > now()
-     GROUP BY topic, key)
+           SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type,
+                  p.header_names, p.header_values, p.attempts, p.created_at, p.generation
+             FROM {table} AS p
+            WHERE p.status = 'pending' AND p.shard = s.shard
+              AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
+              AND (p.lease_until IS NULL OR p.lease_until <= now())
+              -- Probed only in a shard with rows backing off (leased), and kept a probe per
+              -- row by the OR (an anti join would compare each row with every such row).
+              AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
+                  SELECT 1
+                    FROM {table} AS f
+                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                     AND f.shard = p.shard AND f.topic = p.topic
+                     AND f.key = p.key AND f.seq < p.seq))
+              AND (NOT r.leasing OR p.key IS NULL OR NOT EXISTS (
+                  SELECT 1
+                    FROM {table} AS l
+                   WHERE l.status = 'pending' AND l.lease_until IS NOT NULL
+                     AND l.lease_until > now()
+                     AND l.shard = p.shard AND l.topic = p.topic
+                     AND l.key = p.key AND l.seq < p.seq))
+            ORDER BY p.seq
+            LIMIT :window) AS p)
 -- (Columns in the order of outbox.rows.READ_COLUMNS; the id also as text, for its header.)
 SELECT w.id, w.seq, w.shard, w.topic, w.key, w.value, w.content_type, w.header_names,
        w.header_values, w.attempts, w.created_at, w.generation, CAST(w.id AS text) AS id_text
   FROM window_rows AS w
-  LEFT JOIN blockers AS b ON b.topic = w.topic AND b.key = w.key
- WHERE (w.lease_until IS NULL OR w.lease_until <= now())
-   AND (b.seq IS NULL OR w.seq < b.seq)
  ORDER BY w.seq
  LIMIT :batch_size;
+
+-- name: leases_held
+-- Whether an immediate sender holds pending rows of the given shards (the lease index): their
+-- keys' later rows wait for the sender's mark, an UPDATE that wakes no relay.
+SELECT EXISTS (
+       SELECT 1 FROM {table}
+        WHERE status = 'pending' AND lease_until IS NOT NULL AND lease_until > now()
+          AND shard = ANY(CAST(:shards AS smallint[])));
 
 -- name: mark_retry
 -- Record a failed attempt: back off until next_attempt_at, keep the error, give the row back.

@@ -22,11 +22,6 @@ from tests.relay_helpers import looping
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.xfail(
-    strict=False,  # a poll that happens to land within the bound would pass it
-    reason="an immediate sender marking its row sent wakes no relay: the key's later row, "
-    "held back behind it, waits for the poll interval",
-)
 def test_a_row_held_back_behind_an_immediately_sent_row_goes_when_that_row_is_marked(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
@@ -66,16 +61,7 @@ def test_a_row_held_back_behind_an_immediately_sent_row_goes_when_that_row_is_ma
     "windows",
     [
         pytest.param(0.5, id="half-a-window"),
-        pytest.param(
-            6,
-            id="six-windows",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the later rows of a held key count towards the shard's read window "
-                "though they may not go: a window of them hides the rows of other keys behind "
-                "them until the lease ends",
-            ),
-        ),
+        pytest.param(6, id="six-windows"),
     ],
 )
 def test_a_held_keys_backlog_does_not_hide_another_keys_row(engine, outbox_url, windows) -> None:  # type: ignore[no-untyped-def]

@@ -20,6 +20,7 @@ from outbox.prepared.store import PreparedStore
 from outbox.relay.daemon import Relay
 from outbox.rows import OutboxRows
 from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
+from outbox.sending import Ack
 from outbox.spark_jobs.repair import requeue_missing
 from tests.integration.test_relay_loop import StubPublisher, config, wait_for
 from tests.relay_helpers import looping
@@ -78,12 +79,13 @@ def released_after_a_failed_send(engine: sa.Engine, url: str) -> Callable[[], li
 
 
 def released_by_the_order_check(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
-    """An earlier row of the key whose lease ran out (the relay may send it, but nothing woke
-    it when the lease ended) makes the sender's order check give the later row back."""
+    """The key's earlier row is in flight with another immediate sender: this sender's order
+    check gives the later row back (an UPDATE), and the other sender then marks its row sent
+    (another UPDATE). Neither inserts: the later row goes at once all the same."""
     sender = ImmediateSender(url, {"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
-    earlier = insert_row(engine, "b", lease_owner=sender.owner, lease_until=in_seconds(0.2))
+    other = "another-sender"
+    earlier = insert_row(engine, "b", lease_owner=other, lease_until=in_seconds(3600))
     later = insert_row(engine, "b", lease_owner=sender.owner, lease_until=in_seconds(3600))
-    time.sleep(0.3)  # the earlier row's lease ends
 
     def act() -> list[uuid.UUID]:
         try:
@@ -92,7 +94,12 @@ def released_by_the_order_check(engine: sa.Engine, url: str) -> Callable[[], lis
             assert records == [] and outcome.left_to_relay == [later]
         finally:
             sender.close(5)
-        return [earlier, later]
+        rows = OutboxRows(url, DEFAULT_SPEC, other)
+        try:
+            rows.record_outcome([Ack(earlier, 0, 1)])  # what the other sender's success does
+        finally:
+            rows.close()
+        return [later]
 
     return act
 
