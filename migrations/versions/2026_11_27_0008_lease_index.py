@@ -7,7 +7,10 @@ sender, however long its backlog behind it, hides no other key's rows. Without t
 needs a walk of every pending row of the key.
 
 Locks: ``CREATE INDEX CONCURRENTLY`` outside any transaction (SHARE UPDATE EXCLUSIVE: writers
-and the relay go on). A run interrupted in between can be run again.
+and the relay go on). A run interrupted in between can be run again. The downgrade drops the
+index inside the revision's transaction (so that a downgrade refused further down, by
+0004, leaves it in place with the version that says so), after the table's exclusive lock,
+waited for at most ``LOCK_TIMEOUT``.
 
 Revision ID: 0008_lease_index
 Revises: 0007_check_failures
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from alembic import op
 
-from outbox.migration_support import current_spec
+from outbox.migration_support import current_spec, lock_outbox_table
 
 revision = "0008_lease_index"
 down_revision = "0007_check_failures"
@@ -41,5 +44,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     spec = current_spec()
-    with op.get_context().autocommit_block():
-        op.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{spec.schema}"."{spec.lease_index}"')
+    lock_outbox_table(spec)
+    op.execute(f'DROP INDEX IF EXISTS "{spec.schema}"."{spec.lease_index}"')
