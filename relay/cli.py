@@ -64,6 +64,15 @@ if TYPE_CHECKING:
     help="Seconds between polls when no NOTIFY arrives.",
 )
 @click.option(
+    "--rebalance-interval",
+    default=0.5,
+    show_default=True,
+    envvar="OUTBOX_RELAY_REBALANCE_INTERVAL",
+    show_envvar=True,
+    help="Seconds between looks at the other relays: a dead relay's shards, or a joining "
+    "relay's share, move within about this long.",
+)
+@click.option(
     "--max-attempts",
     default=12,
     show_default=True,
@@ -152,6 +161,7 @@ def relay(
     mode: str,
     batch_size: int,
     poll_interval: float,
+    rebalance_interval: float,
     max_attempts: int,
     backoff_base: float,
     backoff_max: float,
@@ -197,6 +207,7 @@ def relay(
             mode=mode,
             batch_size=batch_size,
             poll_interval=poll_interval,
+            rebalance_interval=rebalance_interval,
             lease_seconds=lease_seconds,
             delivery_timeout_ms=delivery_timeout_ms,
             retry=RetryPolicy(max_attempts, backoff_base, backoff_max),
