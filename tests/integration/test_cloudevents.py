@@ -27,6 +27,8 @@ from outbox.devstack.topics import consume_messages
 from outbox.errors import InvalidCloudEvent, InvalidHeaders
 from outbox.inbox import Inbox, InboxMessage
 from outbox.prepared import PreparedMessages
+from outbox.schema import OutboxTableSpec
+from outbox.spark_jobs.repair import requeue_missing
 from tests.inbox_helpers import consumer_config, ledger, prepare_database, running_consumer
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
 
@@ -160,6 +162,26 @@ def test_structured_mode_records_parse_with_the_cloudevents_sdk(
     second = from_structured(kafka_message(records[raw.message_id]), JSONFormat())
     assert (second.get_id(), second.get_type()) == (str(raw.message_id), "com.example.blob")
     assert second.get_data() == b"\x00\xff"  # data_base64
+
+
+def test_a_resent_message_is_the_same_event(
+    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic: Any
+) -> None:
+    """The envelope is stored with the row: a send again (here the repair of a message the
+    audit found missing) produces the very same event, time included."""
+    topic = make_topic("ce-resend")
+    ob = Outbox(engine, envelope=CloudEvents(source=SOURCE, types={topic: "com.example.t"}))
+    with ob.transaction() as tx:
+        sent = tx.publish(topic, {"id": 7}, key=7)
+    with running_relay(relay_config(outbox_url, bootstrap_servers)):
+        wait_for(lambda: statuses(engine) == {"sent": 1}, 60, "the first send")
+        assert requeue_missing(engine, OutboxTableSpec(), [str(sent.message_id)]) == 1
+        records = consume_messages(bootstrap_servers, topic, expect=2)
+    assert len(records) == 2
+    first, second = (from_binary(kafka_message(r), JSONFormat()) for r in records)
+    assert first.get_id() == second.get_id() == str(sent.message_id)
+    assert first.get_attributes() == second.get_attributes()
+    assert records[0].value() == records[1].value()
 
 
 def test_bad_input_is_refused_before_anything_is_written(engine: sa.Engine) -> None:
