@@ -60,8 +60,10 @@ class Message:
     key: KeyLike | NoKey = NO_KEY
     headers: HeadersLike = None
     idempotency_key: str | None = None
-    type: str | None = None
-    subject: str | None = None
+    # Keyword-only: Message(topic, value, key, type="...") reads better, and the
+    # positional order of the fields above stays what it was.
+    type: str | None = field(default=None, kw_only=True)
+    subject: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ class Outbox:
         when the message is bad, :class:`~outbox.errors.NotInTransaction` when ``bind`` has no
         transaction, :class:`~outbox.errors.OutboxTableMissing` when the table is absent.
         """
-        message = Message(topic, value, key, headers, idempotency_key, type, subject)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return self.publish_many(bind, [message])[0]
 
     def publish_many(
@@ -215,7 +215,7 @@ class Outbox:
         subject: str | None = None,
     ) -> PublishResult:
         """The asyncio version of :meth:`publish`."""
-        message = Message(topic, value, key, headers, idempotency_key, type, subject)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return (await self.apublish_many(bind, [message]))[0]
 
     async def apublish_many(

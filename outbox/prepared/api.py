@@ -160,7 +160,7 @@ class PreparedMessages:
         With a CloudEvents envelope, ``type`` and ``subject`` are the event's, and its
         ``time`` is the time of ``prepare()``.
         """
-        message = Message(topic, value, key, headers, idempotency_key, type, subject)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return self._insert_sync(*self._checked(message, group, check_after))
 
     async def aprepare(
@@ -177,7 +177,7 @@ class PreparedMessages:
         subject: str | None = None,
     ) -> Prepared:
         """The asyncio version of :meth:`prepare`."""
-        message = Message(topic, value, key, headers, idempotency_key, type, subject)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return await self._insert_async(*self._checked(message, group, check_after))
 
     # -- commit and rollback ------------------------------------------------------------------
