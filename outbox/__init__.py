@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from outbox.errors import (
     ConfigError,
     InvalidAnswer,
+    InvalidCloudEvent,
     InvalidHeaders,
     InvalidKey,
     InvalidMessage,
@@ -57,6 +58,7 @@ __all__ = [
     "ConfigError",
     "ImmediateSender",
     "InvalidAnswer",
+    "InvalidCloudEvent",
     "InvalidHeaders",
     "InvalidKey",
     "InvalidMessage",

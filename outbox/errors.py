@@ -44,6 +44,12 @@ class LossyConversion(SerializationError):
     is not a ``str``, NaN or infinity, a naive ``datetime``. ``path`` names where it is."""
 
 
+class InvalidCloudEvent(InvalidMessage):
+    """A CloudEvents attribute is missing or unusable: no ``type`` for the message's topic, a
+    ``type`` or ``subject`` that is not a non-empty ``str``, or ``type=``/``subject=`` given to
+    an outbox without a CloudEvents envelope."""
+
+
 class PayloadTooLarge(InvalidMessage):
     """The serialized message exceeds the configured maximum size."""
 

@@ -6,9 +6,15 @@ import enum
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from outbox.errors import InvalidKey, InvalidMessage, PayloadTooLarge, SerializationError
+from outbox.errors import (
+    InvalidCloudEvent,
+    InvalidKey,
+    InvalidMessage,
+    PayloadTooLarge,
+    SerializationError,
+)
 from outbox.ids import uuid7
 from outbox.schema import shard_of
 from outbox.serialization import Serializer, content_type_of
@@ -19,6 +25,9 @@ from outbox.validation import (
     encode_key,
     validate_topic,
 )
+
+if TYPE_CHECKING:
+    from outbox.cloudevents import CloudEvents
 
 #: Kafka record header carrying the outbox message id (a UUID in text form).
 ID_HEADER = "outbox-id"
@@ -40,13 +49,21 @@ NO_KEY: Final = NoKey.NO_KEY
 
 @dataclass(frozen=True)
 class Message:
-    """One message to publish; see :meth:`outbox.Outbox.publish` for the fields."""
+    """One message to publish; see :meth:`outbox.Outbox.publish` for the fields.
+
+    ``type`` and ``subject`` are the CloudEvents attributes of an outbox with a CloudEvents
+    envelope (see :class:`outbox.cloudevents.CloudEvents`).
+    """
 
     topic: str
     value: Any = None
     key: KeyLike | NoKey = NO_KEY
     headers: HeadersLike = None
     idempotency_key: str | None = None
+    # Keyword-only: Message(topic, value, key, type="...") reads better, and the
+    # positional order of the fields above stays what it was.
+    type: str | None = field(default=None, kw_only=True)
+    subject: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -85,15 +102,22 @@ def encode_message(
     serializer: Serializer,
     max_message_bytes: int,
     trace_headers: Sequence[tuple[str, bytes]] = (),
+    envelope: CloudEvents | None = None,
 ) -> EncodedMessage:
     """Validate and serialize ``message``; raises an InvalidMessage subclass on bad input.
 
     ``trace_headers`` (the publisher's trace context) are added after the message's own
-    headers, except those the message sets itself.
+    headers, except those the message sets itself. ``envelope`` wraps the message as a
+    CloudEvent (its headers, or its whole value in structured mode).
     """
     topic = validate_topic(message.topic)
     key = None if message.key is NO_KEY else encode_key(_given_key(message.key, topic))
     headers = encode_headers(message.headers)
+    if envelope is None and (message.type is not None or message.subject is not None):
+        raise InvalidCloudEvent(
+            "type= and subject= are CloudEvents attributes: they need an outbox made with "
+            "envelope=CloudEvents(...)"
+        )
     if trace_headers:
         given = {name for name, _ in headers}
         headers.extend(pair for pair in trace_headers if pair[0] not in given)
@@ -114,6 +138,13 @@ def encode_message(
             f"serializer {type(serializer).__name__} returned {type(value).__name__}, not bytes"
         )
     content_type = content_type_of(serializer, message.value) if value is not None else None
+    message_id = uuid7()
+    if envelope is not None:
+        wrapped = envelope.wrap(
+            message_id, topic, message.type, message.subject, value, content_type, headers
+        )
+        value, content_type = wrapped.value, wrapped.content_type
+        headers = wrapped.headers + headers
     size = (
         len(value or b"")
         + len(key or b"")
@@ -125,7 +156,6 @@ def encode_message(
             f"message for topic {topic!r} is {size} bytes; the limit is {max_message_bytes} "
             "(max_message_bytes, which must not exceed the topic's max.message.bytes)"
         )
-    message_id = uuid7()
     # Only the columns that have a value: a shorter INSERT is a faster one.
     row: dict[str, Any] = {
         "id": message_id,

@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
+from outbox.cloudevents import CloudEvents
 from outbox.errors import (
     ConfigError,
     NotInTransaction,
@@ -70,6 +71,7 @@ class Outbox:
         serializer: Serializer | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         immediate: ImmediateSender | None = None,
+        envelope: CloudEvents | None = None,
     ) -> None:
         if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
             raise ConfigError(
@@ -77,10 +79,16 @@ class Outbox:
             )
         if serializer is not None and not isinstance(serializer, Serializer):
             raise ConfigError("serializer must have serialize(value) and content_type")
+        if envelope is not None and not isinstance(envelope, CloudEvents):
+            raise ConfigError(
+                f"envelope must be an outbox.cloudevents.CloudEvents, got {type(envelope).__name__}"
+            )
         self.spec = OutboxTableSpec(schema=schema, table=table)
         self.serializer: Serializer = serializer or JsonSerializer()
         self.max_message_bytes = max_message_bytes
         self.immediate = immediate
+        #: Writes each message as a CloudEvent when set (docs/cloudevents.md).
+        self.envelope = envelope
         self._url = bind if isinstance(bind, str) else None
         self._engine = bind if isinstance(bind, Engine) else None
         self._async_engine = bind if isinstance(bind, AsyncEngine) else None
@@ -149,6 +157,8 @@ class Outbox:
         key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
+        type: str | None = None,
+        subject: str | None = None,
     ) -> PublishResult:
         """Add one message to ``bind``'s current transaction.
 
@@ -158,13 +168,15 @@ class Outbox:
         most often an id the database has not generated yet (flush the session first).
         ``headers`` is a mapping or a list of ``(name, bytes | str)``
         pairs. With ``idempotency_key``, a second publish of the same key writes nothing and
-        returns the first message's id with ``duplicate=True``.
+        returns the first message's id with ``duplicate=True``. ``type`` and ``subject``
+        are the CloudEvents attributes of an outbox made with ``envelope=CloudEvents(...)``
+        (``type`` defaults to the topic's type there; see docs/cloudevents.md).
 
         Raises an :class:`~outbox.errors.InvalidMessage` subclass before touching the database
         when the message is bad, :class:`~outbox.errors.NotInTransaction` when ``bind`` has no
         transaction, :class:`~outbox.errors.OutboxTableMissing` when the table is absent.
         """
-        message = Message(topic, value, key, headers, idempotency_key)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return self.publish_many(bind, [message])[0]
 
     def publish_many(
@@ -199,9 +211,11 @@ class Outbox:
         key: KeyLike | NoKey = NO_KEY,
         headers: HeadersLike = None,
         idempotency_key: str | None = None,
+        type: str | None = None,
+        subject: str | None = None,
     ) -> PublishResult:
         """The asyncio version of :meth:`publish`."""
-        message = Message(topic, value, key, headers, idempotency_key)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return (await self.apublish_many(bind, [message]))[0]
 
     async def apublish_many(
@@ -241,7 +255,11 @@ class Outbox:
         for message in messages:
             if not isinstance(message, Message):
                 raise TypeError(f"publish_many takes Message objects, got {type(message).__name__}")
-            encoded.append(encode_message(message, self.serializer, self.max_message_bytes, trace))
+            encoded.append(
+                encode_message(
+                    message, self.serializer, self.max_message_bytes, trace, self.envelope
+                )
+            )
         return encoded
 
     def _write(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
+from outbox.cloudevents import record_identity
 from outbox.decoding import Deserializer, JsonDeserializer, last_header
 from outbox.errors import ConfigError
 from outbox.loading import load_target, register_once
@@ -92,7 +93,9 @@ class Inbox:
     groups reading the same topic apply each message once each).
     ``deserializer``: turns values into Python objects (default: JSON, text, bytes by the
     ``content-type`` header). ``id_header``: the header carrying the message id
-    (``outbox-id``, set by the relay). ``missing_id``: what to do with records that lack it:
+    (``outbox-id``, set by the relay). A record without it that is a CloudEvent is identified
+    by its ``id`` (the ``ce_id`` header; see :func:`outbox.cloudevents.record_identity`).
+    ``missing_id``: what to do with records that have neither:
     ``"park"`` (default), ``"offset"`` (identity ``topic/partition/offset``), or a function
     ``RawRecord -> str | None`` (e.g. a business key; None parks the record).
     """
@@ -202,6 +205,9 @@ class Inbox:
                 return str(uuid.UUID(text)) if self.id_header == ID_HEADER else text
             except ValueError:
                 raise MissingIdentity(f"header {self.id_header} is not a UUID: {text!r}") from None
+        cloud_event = record_identity(record.headers, record.value)
+        if cloud_event is not None:
+            return cloud_event
         if self.missing_id == BY_OFFSET:
             return f"{record.topic}/{record.partition}/{record.offset}"
         if callable(self.missing_id):

@@ -147,6 +147,8 @@ class PreparedMessages:
         idempotency_key: str | None = None,
         group: str | None = None,
         check_after: float | timedelta | None = None,
+        type: str | None = None,
+        subject: str | None = None,
     ) -> Prepared:
         """Write a prepared message in a transaction of its own and commit it.
 
@@ -155,8 +157,10 @@ class PreparedMessages:
         ``key=None`` is refused there too): bad input raises an
         :class:`~outbox.errors.InvalidMessage` subclass (and a bad ``group`` or
         ``check_after`` a :class:`~outbox.errors.ConfigError`) before anything is written.
+        With a CloudEvents envelope, ``type`` and ``subject`` are the event's, and its
+        ``time`` is the time of ``prepare()``.
         """
-        message = Message(topic, value, key, headers, idempotency_key)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return self._insert_sync(*self._checked(message, group, check_after))
 
     async def aprepare(
@@ -169,9 +173,11 @@ class PreparedMessages:
         idempotency_key: str | None = None,
         group: str | None = None,
         check_after: float | timedelta | None = None,
+        type: str | None = None,
+        subject: str | None = None,
     ) -> Prepared:
         """The asyncio version of :meth:`prepare`."""
-        message = Message(topic, value, key, headers, idempotency_key)
+        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
         return await self._insert_async(*self._checked(message, group, check_after))
 
     # -- commit and rollback ------------------------------------------------------------------
@@ -310,6 +316,7 @@ class PreparedMessages:
             self.outbox.serializer,
             self.outbox.max_message_bytes,
             current_trace_headers(),
+            self.outbox.envelope,
         )
         name = validate_group(group) if group is not None else (self.group or message.topic)
         after = self.check_after if check_after is None else _seconds(check_after)
