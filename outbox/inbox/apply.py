@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
+from outbox.errors import OutboxError
 from outbox.inbox.api import Inbox, RawRecord
 from outbox.inbox.error_text import MAX_ERROR_TEXT, handler_error
 from outbox.inbox.error_text import short_error as _short_error
@@ -311,8 +312,32 @@ class Applier:
         self, tx: Transaction, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int
     ) -> None:
         group = self.inbox.group
-        await tx.run(self.store.park, group, item.record, item.identity, reason, error, attempts)
+        parked_id = await tx.run(
+            self.store.park, group, item.record, item.identity, reason, error, attempts
+        )
+        if parked_id is not None:  # None: this record was parked before, with its letter
+            await self._dead_letter(tx, item, reason, error, attempts, parked_id)
         ledger.parked(item, reason, error)
+
+    async def _repark(self, tx: Transaction, row: Any, item: Item, error: str) -> None:
+        """A retried message failed again: parked again, with a new dead letter."""
+        await tx.run(self.store.repark, row.id, error)
+        await self._dead_letter(tx, item, row.reason, error, row.attempts + 1, row.id)
+
+    async def _dead_letter(
+        self, tx: Transaction, item: Item, reason: str, error: str, attempts: int, parked_id: int
+    ) -> None:
+        """The dead letter of a record parked in this transaction, when the inbox has them."""
+        letters = self.inbox.dead_letters
+        if letters is None:
+            return
+        args = (self.inbox.group, item.record, item.identity, reason, error, attempts, parked_id)
+        try:
+            await tx.run(letters.write, *args)
+        except OutboxError as exc:
+            # The outbox table dropped, a privilege revoked: without its dead letter the
+            # record is not parked either; the batch waits, as for a database outage.
+            raise DatabaseUnavailable(f"dead letter not written: {exc}") from exc
 
     async def apply_requeued(self, limit: int = 100) -> int:
         """Apply parked messages an operator marked for retry; returns how many were handled.
@@ -326,7 +351,7 @@ class Applier:
             for row in rows:
                 item = requeued_item(self.inbox, row)
                 if item.park is not None:  # still no identity, or still undecodable
-                    await tx.run(self.store.repark, row.id, item.park[1])
+                    await self._repark(tx, row, item, item.park[1])
                     continue
                 savepoint = await tx.savepoint()
                 try:
@@ -338,7 +363,7 @@ class Applier:
                     await tx.release(savepoint)
                 except Exception as exc:
                     await tx.rollback(savepoint)
-                    await tx.run(self.store.repark, row.id, handler_error(exc))
+                    await self._repark(tx, row, item, handler_error(exc))
                     continue
                 await tx.run(self.store.unpark, row.id)
             return len(rows)
