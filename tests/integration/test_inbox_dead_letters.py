@@ -356,3 +356,37 @@ def test_a_consumer_whose_role_may_not_write_dead_letters_does_not_start(
     runner = InboxRunner(inbox, consumer_config(consumer_url, bootstrap_servers))
     with pytest.raises(PermissionDenied, match="needs INSERT on it"):
         runner.run()
+
+
+def test_a_dead_letter_too_large_for_the_outbox_leaves_its_value_to_the_parked_row(
+    inbox_engine: sa.Engine,
+) -> None:
+    from sqlalchemy.orm import Session
+
+    from outbox import OutboxError
+    from outbox.inbox import InboxStore, InboxTableSpec, RawRecord
+
+    store = InboxStore(InboxTableSpec())
+    letters = DeadLetters(Outbox(max_message_bytes=2000))
+    record = RawRecord("orders", 0, 5, b"k", b"x" * 1500, (("content-type", b"text/plain"),))
+    error = "ValueError: no\nTraceback (most recent call last):\n" + "  frame\n" * 300
+    with Session(inbox_engine) as session, session.begin():
+        parked_id = store.park(session, "billing", record, "m-5", "handler", error, 5)
+        assert parked_id is not None
+        letters.write(session, "billing", record, "m-5", "handler", error, 5, parked_id)
+    [row] = letter_rows(inbox_engine, "orders.dlq")
+    headers = dict(zip(row.header_names, row.header_values, strict=True))
+    assert row.value is None and headers["dlq-value-omitted"] == b"1500"
+    assert "dlq-traceback" not in headers  # 2,400 characters of it would not fit either
+    assert headers["dlq-error-class"] == b"ValueError"
+
+    letter = DeadLetter.from_record(row.key, row.value, list(headers.items()))
+    assert letter.value_omitted
+    with inbox_engine.begin() as conn:  # the row is there: marked for retry
+        assert store.requeue_dead_letter(conn, letter) is False
+        assert parked_rows(inbox_engine)[0].status == "parked"  # not committed yet
+    assert parked_rows(inbox_engine)[0].status == "retry"
+    with inbox_engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM inbox_parked"))
+    with inbox_engine.begin() as conn, pytest.raises(OutboxError, match="does not carry the value"):
+        store.requeue_dead_letter(conn, letter)
