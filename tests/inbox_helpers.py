@@ -133,8 +133,10 @@ def start_consumer_process(
     group: str,
     *args: str,
     log: Path | None = None,
+    target: str = "tests.inbox_app:inbox",
 ) -> ConsumerProcess:
-    """`outbox consume tests.inbox_app:inbox` in a process of its own, once ready."""
+    """`outbox consume tests.inbox_app:inbox` (or ``target``) in a process of its own, once
+    ready."""
     port = free_port()
     env = {
         **os.environ,
@@ -151,7 +153,7 @@ def start_consumer_process(
                 "-m",
                 "outbox.cli",
                 "consume",
-                "tests.inbox_app:inbox",
+                target,
                 "--metrics-port",
                 str(port),
                 "--max-wait",

@@ -233,13 +233,14 @@ class MemoryStore:
         return bool(self.claim_many(tx, group, [claim]))
 
     def park(self, tx: MemoryTransaction, group: str, record: Any, message_id: Any,
-             reason: str, error: str, attempts: int) -> bool:  # fmt: skip
+             reason: str, error: str, attempts: int) -> int | None:  # fmt: skip
         place = (record.topic, record.partition, record.offset)
         if any(row["place"] == place for row in tx.tables.parked):
-            return False
+            return None
+        parked_id = len(tx.tables.parked) + 1
         tx.tables.parked.append(
             {
-                "id": len(tx.tables.parked) + 1,
+                "id": parked_id,
                 "place": place,
                 "message_id": message_id,
                 "reason": reason,
@@ -249,7 +250,7 @@ class MemoryStore:
                 "record": record,
             }
         )
-        return True
+        return parked_id
 
     def take_requeued(self, tx: MemoryTransaction, group: str, limit: int) -> list[Any]:
         return []  # the loop's tests do not requeue

@@ -32,6 +32,8 @@ from outbox.decoding import (
 )
 from outbox.inbox.api import BY_OFFSET, PARK, Inbox, InboxMessage, RawRecord, load_inbox
 from outbox.inbox.config import ConsumerConfig
+from outbox.inbox.dead_letter_retry import DeadLetter, NotADeadLetter
+from outbox.inbox.dead_letters import DeadLetters
 from outbox.inbox.schema import InboxTableSpec
 from outbox.inbox.store import InboxStore
 
@@ -44,6 +46,8 @@ __all__ = [
     "PARK",
     "BytesDeserializer",
     "ConsumerConfig",
+    "DeadLetter",
+    "DeadLetters",
     "Deserializer",
     "Inbox",
     "InboxMessage",
@@ -51,6 +55,7 @@ __all__ = [
     "InboxStore",
     "InboxTableSpec",
     "JsonDeserializer",
+    "NotADeadLetter",
     "RawRecord",
     "UndecodableValue",
     "declare_inbox",

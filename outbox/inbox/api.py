@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from outbox.cloudevents import record_identity
 from outbox.decoding import Deserializer, JsonDeserializer, last_header
@@ -33,6 +33,9 @@ from outbox.errors import ConfigError
 from outbox.loading import load_target, register_once
 from outbox.message import ID_HEADER
 from outbox.validation import validate_topic
+
+if TYPE_CHECKING:
+    from outbox.inbox.dead_letters import DeadLetters
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Inbox:
     ``missing_id``: what to do with records that have neither:
     ``"park"`` (default), ``"offset"`` (identity ``topic/partition/offset``), or a function
     ``RawRecord -> str | None`` (e.g. a business key; None parks the record).
+    ``dead_letters``: also send what is parked to dead-letter topics, through the
+    consumer's outbox (:class:`~outbox.inbox.dead_letters.DeadLetters`; off by default).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class Inbox:
         deserializer: Deserializer | None = None,
         id_header: str = ID_HEADER,
         missing_id: str | IdentityFn = PARK,
+        dead_letters: DeadLetters | None = None,
     ) -> None:
         if not isinstance(group, str) or not group.strip():
             raise ConfigError("inbox group must be a non-empty str (the Kafka consumer group)")
@@ -118,6 +124,12 @@ class Inbox:
             raise ConfigError(
                 f"missing_id must be {PARK!r}, {BY_OFFSET!r} or a function, got {missing_id!r}"
             )
+        if dead_letters is not None:
+            from outbox.inbox.dead_letters import DeadLetters
+
+            if not isinstance(dead_letters, DeadLetters):
+                raise ConfigError("dead_letters must be an outbox.inbox.DeadLetters")
+        self.dead_letters = dead_letters
         self.group = group
         self.deserializer: Deserializer = deserializer or JsonDeserializer()
         self.id_header = id_header

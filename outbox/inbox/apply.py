@@ -33,16 +33,18 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
-from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from outbox.inbox.api import Inbox, InboxMessage, RawRecord
+from outbox.errors import OutboxError
+from outbox.inbox.api import Inbox, RawRecord
+from outbox.inbox.error_text import MAX_ERROR_TEXT, handler_error
+from outbox.inbox.error_text import short_error as _short_error
+from outbox.inbox.ledger import BatchResult, Failure, Item, TopicPartition
+from outbox.inbox.ledger import Ledger as _Ledger
 from outbox.inbox.metrics import InboxMetrics
 from outbox.inbox.schema import HANDLER_FAILED
 from outbox.inbox.store import Claim, InboxStore
@@ -50,49 +52,22 @@ from outbox.tracing import consumer_span, otel_loaded
 
 log = logging.getLogger("outbox.inbox")
 
-TopicPartition = tuple[str, int]
+__all__ = [
+    "MAX_ERROR_TEXT",
+    "Applier",
+    "BatchResult",
+    "DatabaseUnavailable",
+    "Failure",
+    "Item",
+    "TopicPartition",
+    "handler_error",
+    "prepare",
+    "requeued_item",
+]
 
 
 class DatabaseUnavailable(Exception):
     """The database could not be reached (or the connection broke): nothing was applied."""
-
-
-@dataclass
-class Item:
-    """One record, identified and decoded before the transaction opens."""
-
-    record: RawRecord
-    identity: str | None
-    message: InboxMessage | None
-    #: (reason, error) when the record is parked without running a handler
-    park: tuple[str, str] | None = None
-    #: failed attempts so far (kept by the runner while the record is retried)
-    failures: int = 0
-    last_error: str | None = None
-
-    @property
-    def tp(self) -> TopicPartition:
-        return (self.record.topic, self.record.partition)
-
-
-@dataclass
-class Failure:
-    """A handler failure that holds its partition back until it is retried."""
-
-    offset: int
-    attempts: int
-    error: str
-
-
-@dataclass
-class BatchResult:
-    #: the offset to commit per partition (the next record to read)
-    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
-    #: partitions held back by a failing record
-    blocked: dict[TopicPartition, Failure] = field(default_factory=dict)
-    applied: int = 0
-    duplicates: int = 0
-    parked: int = 0
 
 
 class Transaction(Protocol):
@@ -125,30 +100,6 @@ class Transaction(Protocol):
 Begin = Callable[[], AbstractAsyncContextManager[Transaction]]
 
 
-#: Longest error text kept for a record (a parked row's ``error``, a log line's).
-MAX_ERROR_TEXT = 4000
-
-
-def _short_error(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return text[:2000]
-
-
-def handler_error(exc: BaseException) -> str:
-    """A handler's exception as it is logged and parked: its type and text first (what a
-    list shows), then the traceback that says where it came from, at most
-    ``MAX_ERROR_TEXT`` characters (the innermost frames are kept when it is cut)."""
-    summary = _short_error(exc)
-    frames = "".join(traceback.format_tb(exc.__traceback__))
-    header, cut = "\nTraceback (most recent call last):\n", "  ...\n"
-    room = MAX_ERROR_TEXT - len(summary) - len(header) - len(cut)
-    if room <= 0 or not frames:
-        return summary[:MAX_ERROR_TEXT]
-    if len(frames) > room:
-        frames = cut + frames[-room:]
-    return f"{summary}{header}{frames}".rstrip()
-
-
 def _broken_connection(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError) and bool(exc.connection_invalidated)
 
@@ -163,102 +114,6 @@ def _check_deferred_constraints(session: Any) -> None:
 def database_error(exc: BaseException) -> DatabaseUnavailable:
     """What the appliers raise for an error of the database itself."""
     return DatabaseUnavailable(_short_error(exc))
-
-
-class _Ledger:
-    """Counts and offsets of one batch, the same for every way through it."""
-
-    def __init__(self, metrics: InboxMetrics, max_attempts: int) -> None:
-        self.metrics = metrics
-        self.max_attempts = max_attempts
-        self.result = BatchResult()
-        self.seen: set[str] = set()
-        #: ids whose copy earlier in this batch was not applied: parked ((reason, error)) or
-        #: held back for a retry (None). A later copy is no duplicate of those.
-        self.unsettled: dict[str, tuple[Item, tuple[str, str] | None]] = {}
-        self.parked_topics: list[tuple[str, str]] = []
-        self.applied_topics: list[str] = []
-        self.duplicate_topics: list[str] = []
-
-    def blocked(self, item: Item) -> bool:
-        return item.tp in self.result.blocked
-
-    def done(self, item: Item) -> None:
-        self.result.next_offsets[item.tp] = item.record.offset + 1
-
-    def duplicate(self, item: Item) -> None:
-        self.result.duplicates += 1
-        self.duplicate_topics.append(item.record.topic)
-        self.done(item)
-
-    def applied(self, item: Item) -> None:
-        self.result.applied += 1
-        self.applied_topics.append(item.record.topic)
-        self.done(item)
-
-    def parked(self, item: Item, reason: str, error: str) -> None:
-        self.result.parked += 1
-        self.parked_topics.append((item.record.topic, reason))
-        # Only a handler's failure: an id whose copy could not even be decoded may be
-        # applied from another copy (the fast way has claimed it already).
-        if item.identity is not None and reason == HANDLER_FAILED:
-            self.unsettled.setdefault(item.identity, (item, (reason, error)))
-        self.done(item)
-
-    def hold(self, item: Item, first: Item) -> None:
-        """Hold ``item`` back like a failed record, without counting an attempt: its id's
-        first copy failed and is retried; once that one is applied, this one is a true
-        duplicate."""
-        r = first.record
-        error = f"waits for the copy at {r.topic}[{r.partition}]@{r.offset}, being retried"
-        self.result.blocked[item.tp] = Failure(item.record.offset, item.failures, error)
-        self.result.next_offsets[item.tp] = item.record.offset
-
-    def failed(self, item: Item, exc: BaseException) -> tuple[str, int] | None:
-        """A handler failed: returns (error, attempts) when the record is to be parked now,
-        None when its partition waits for a retry."""
-        attempts = item.failures + 1
-        error = handler_error(exc)
-        self.metrics.retried.labels(item.record.topic).inc()
-        if attempts >= self.max_attempts:
-            log.warning(
-                "handler failed on its last attempt: message parked",
-                extra={"topic": item.record.topic, "offset": item.record.offset, "error": error},
-            )
-            return error, attempts
-        self.result.blocked[item.tp] = Failure(item.record.offset, attempts, error)
-        self.result.next_offsets[item.tp] = item.record.offset
-        if item.identity is not None:
-            self.unsettled.setdefault(item.identity, (item, None))
-        log.info(
-            "handler failed: record will be retried",
-            extra={
-                "topic": item.record.topic,
-                "partition": item.record.partition,
-                "offset": item.record.offset,
-                "attempt": attempts,
-                "error": error,
-            },
-        )
-        return None
-
-    def first_time(self, item: Item) -> bool:
-        """False for a second copy of an id within this batch."""
-        assert item.identity is not None
-        if item.identity in self.seen:
-            return False
-        self.seen.add(item.identity)
-        return True
-
-    def publish_metrics(self) -> BatchResult:
-        m = self.metrics
-        for topic, count in Counter(self.applied_topics).items():
-            m.processed.labels(topic).inc(count)
-        for topic, count in Counter(self.duplicate_topics).items():
-            m.duplicates.labels(topic).inc(count)
-        for (topic, reason), count in Counter(self.parked_topics).items():
-            m.parked.labels(topic, reason).inc(count)
-        return self.result
 
 
 def _claim(item: Item) -> Claim:
@@ -457,8 +312,32 @@ class Applier:
         self, tx: Transaction, ledger: _Ledger, item: Item, reason: str, error: str, attempts: int
     ) -> None:
         group = self.inbox.group
-        await tx.run(self.store.park, group, item.record, item.identity, reason, error, attempts)
+        parked_id = await tx.run(
+            self.store.park, group, item.record, item.identity, reason, error, attempts
+        )
+        if parked_id is not None:  # None: this record was parked before, with its letter
+            await self._dead_letter(tx, item, reason, error, attempts, parked_id)
         ledger.parked(item, reason, error)
+
+    async def _repark(self, tx: Transaction, row: Any, item: Item, error: str) -> None:
+        """A retried message failed again: parked again, with a new dead letter."""
+        await tx.run(self.store.repark, row.id, error)
+        await self._dead_letter(tx, item, row.reason, error, row.attempts + 1, row.id)
+
+    async def _dead_letter(
+        self, tx: Transaction, item: Item, reason: str, error: str, attempts: int, parked_id: int
+    ) -> None:
+        """The dead letter of a record parked in this transaction, when the inbox has them."""
+        letters = self.inbox.dead_letters
+        if letters is None:
+            return
+        args = (self.inbox.group, item.record, item.identity, reason, error, attempts, parked_id)
+        try:
+            await tx.run(letters.write, *args)
+        except OutboxError as exc:
+            # The outbox table dropped, a privilege revoked: without its dead letter the
+            # record is not parked either; the batch waits, as for a database outage.
+            raise DatabaseUnavailable(f"dead letter not written: {exc}") from exc
 
     async def apply_requeued(self, limit: int = 100) -> int:
         """Apply parked messages an operator marked for retry; returns how many were handled.
@@ -472,7 +351,7 @@ class Applier:
             for row in rows:
                 item = requeued_item(self.inbox, row)
                 if item.park is not None:  # still no identity, or still undecodable
-                    await tx.run(self.store.repark, row.id, item.park[1])
+                    await self._repark(tx, row, item, item.park[1])
                     continue
                 savepoint = await tx.savepoint()
                 try:
@@ -484,7 +363,7 @@ class Applier:
                     await tx.release(savepoint)
                 except Exception as exc:
                     await tx.rollback(savepoint)
-                    await tx.run(self.store.repark, row.id, handler_error(exc))
+                    await self._repark(tx, row, item, handler_error(exc))
                     continue
                 await tx.run(self.store.unpark, row.id)
             return len(rows)

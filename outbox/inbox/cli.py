@@ -25,6 +25,11 @@ from outbox.cli_options import (
     run_db_step,
 )
 from outbox.errors import OutboxError
+from outbox.inbox.dead_letter_cli import (
+    dead_letter_options,
+    read_dead_letters,
+    requeue_dead_letters,
+)
 from outbox.redaction import mask_secrets
 
 T = TypeVar("T")
@@ -418,7 +423,19 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
         everything: bool,
         parked_ids: tuple[int, ...],
         reason: str | None,
+        dead_letters: tuple[str, ...] = (),
+        bootstrap_servers: str | None = None,
+        kafka_settings: tuple[str, ...] = (),
     ) -> None:
+        if dead_letters:
+            if parked_ids or group or topic or everything or reason:
+                raise click.UsageError("--dead-letter picks the messages: give nothing else")
+            letters = read_dead_letters(dead_letters, bootstrap_servers, kafka_settings)
+            with _store(database_url, inbox_schema, inbox_table) as (engine, store):
+                restored = run_db_step(lambda: requeue_dead_letters(engine, store, letters))
+            counts = f"{verb} {len(letters)} parked message(s), {restored} put back"
+            click.echo(f"{counts} from their dead letters")
+            return
         if not (parked_ids or group or topic or everything or reason):
             raise click.UsageError("name parked ids, or pass --group, --topic, --reason or --all")
         if reason is not None and (parked_ids or everything):
@@ -446,6 +463,7 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
 parked.command(
     "retry",
     help="Hand parked messages back to their group's running consumer, which applies them "
-    "(or parks them again) within a few seconds.",
-)(_parked_bulk("requeue", "requeued"))
+    "(or parks them again) within a few seconds: by id, --group, --topic, --reason, --all, "
+    "or --dead-letter.",
+)(dead_letter_options(_parked_bulk("requeue", "requeued")))
 parked.command("purge", help="Delete parked messages.")(_parked_bulk("purge_parked", "deleted"))

@@ -97,6 +97,8 @@ class InboxRunner(Stoppable):
             raise ConfigError(f"expected an outbox.inbox.Inbox, got {type(inbox).__name__}")
         if not inbox.topics:
             raise ConfigError("the inbox has no handlers")
+        if inbox.dead_letters is not None:
+            inbox.dead_letters.check_topics(inbox.topics)
         self.inbox = inbox
         self.config = config
         self.metrics = metrics or InboxMetrics()
@@ -143,6 +145,9 @@ class InboxRunner(Stoppable):
         try:
             if not self.wait_for_database(lambda: self.store.problem(engine), self._backoff, log):
                 return
+            if self.inbox.dead_letters is not None:
+                with engine.connect() as conn:
+                    self.inbox.dead_letters.check_table(conn)
             # Made on the database thread: an async applier's event loop lives there.
             self._applier = (
                 self._given_applier or self._database.submit(self._make_applier, engine).result()

@@ -9,14 +9,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 
-from outbox.errors import ConfigError
+from outbox.errors import ConfigError, OutboxError
 from outbox.inbox.api import RawRecord
 from outbox.inbox.schema import PARKED, RETRY, InboxTableSpec
+
+if TYPE_CHECKING:
+    from outbox.inbox.dead_letter_retry import DeadLetter
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,9 @@ class InboxStore:
         reason: str,
         error: str,
         attempts: int,
-    ) -> bool:
-        """Record a message the runner gives up on; False if this record was parked already."""
+    ) -> int | None:
+        """Record a message the runner gives up on; returns the parked row's id, or None if
+        this record was parked already."""
         names = [name for name, _ in record.headers] or None
         values = [value for _, value in record.headers] or None
         statement = (
@@ -106,7 +110,8 @@ class InboxStore:
             .on_conflict_do_nothing()
             .returning(self.parked.c.id)
         )
-        return conn.execute(statement).first() is not None
+        row = conn.execute(statement).first()
+        return None if row is None else int(row[0])
 
     # -- parked messages an operator asked to retry -------------------------------------------
 
@@ -153,6 +158,52 @@ class InboxStore:
             sa.update(p).where(p.c.status == PARKED), p, group, topic, ids
         ).values(status=RETRY)
         return int(conn.execute(statement).rowcount)
+
+    def requeue_dead_letter(self, conn: Any, letter: DeadLetter) -> bool:
+        """Mark the parked row a dead letter stands for for retry, or put it back, marked for
+        retry, when it is gone (purged): True when it was put back.
+
+        Raises :class:`~outbox.errors.OutboxError` when the row is gone and the dead letter
+        does not carry the value (it was too large to)."""
+        p = self.parked
+        where = (
+            p.c.consumer_group == letter.group,
+            p.c.topic == letter.topic,
+            p.c.kafka_partition == letter.partition,
+            p.c.kafka_offset == letter.offset,
+        )
+        if letter.value_omitted:
+            found = conn.execute(sa.update(p).where(*where).values(status=RETRY)).rowcount
+            if not found:
+                raise OutboxError(
+                    f"the parked row of {letter.topic}[{letter.partition}]@{letter.offset} is "
+                    "gone and its dead letter does not carry the value (too large): nothing "
+                    "to retry"
+                )
+            return False
+        names = [name for name, _ in letter.headers] or None
+        values = [value for _, value in letter.headers] or None
+        statement: Any = (
+            insert(p)
+            .values(
+                consumer_group=letter.group,
+                message_id=letter.message_id,
+                topic=letter.topic,
+                kafka_partition=letter.partition,
+                kafka_offset=letter.offset,
+                key=letter.key,
+                value=letter.value,
+                header_names=names,
+                header_values=values,
+                reason=letter.reason,
+                error=letter.error[:4000],
+                status=RETRY,
+            )
+            .on_conflict_do_update(constraint=f"{p.name}_record_key", set_={"status": RETRY})
+            # xmax is 0 on a row version an INSERT made, not on one an UPDATE made.
+            .returning(sa.literal_column("xmax = 0"))
+        )
+        return bool(conn.execute(statement).scalar_one())
 
     def purge_parked(
         self, conn: Any, ids: Iterable[int] | None, group: str | None, topic: str | None
