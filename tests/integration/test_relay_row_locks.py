@@ -88,8 +88,8 @@ def test_a_row_locked_by_another_transaction_holds_back_only_its_shard(  # type:
     with looping(Relay(config(outbox_url, mode=mode), publisher=stub)) as relay:
         with row_locked(outbox_url, locked, LOCKS[lock]) as holder:
             wait_for(lambda: len(stub.acked) >= SPREAD)  # the first transaction went in one go
+            wait_for(lambda: relay.health.oldest_mark_or_take_over is not None)  # being marked
             marking_since = relay.health.oldest_mark_or_take_over
-            assert marking_since is not None
             locked_shard = shards_of(engine, [locked])[locked]
 
             def decide(record: OutboxRecord) -> str:
