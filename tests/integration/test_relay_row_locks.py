@@ -6,6 +6,8 @@ twice. Real PostgreSQL, the loop's stub publisher."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -134,3 +136,27 @@ def test_a_mark_waiting_for_a_row_lock_longer_than_the_wedge_timeout_turns_healt
         wait_for(lambda: relay.health.alive, timeout=15)
         assert sent(engine, [locked]) == {locked}
     assert [record.id for record in stub.acked].count(locked) == 1
+
+
+def test_a_relay_stopped_while_a_row_lock_holds_its_mark_exits_within_the_shutdown_timeout(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """Its shards wait for the mark before they are let go, for half the shutdown timeout at
+    most: then the locked rows stay pending for the shards' next owner, everything else of
+    the batch is marked, and the relay exits 0."""
+    first = publish_spread(engine, "first")
+    locked = first[0]
+    stub = StubPublisher()
+    relay = Relay(config(outbox_url, shutdown_timeout=6.0), publisher=stub)
+    exit_codes: list[int] = []
+    thread = threading.Thread(target=lambda: exit_codes.append(relay.run()), daemon=True)
+    with row_locked(outbox_url, locked, LOCKS["select for update"]):
+        thread.start()
+        wait_for(lambda: relay.metrics.marks_blocked._value.get() >= 1)
+        stopped = time.monotonic()
+        relay.stop()
+        thread.join(30)
+        took = time.monotonic() - stopped
+        assert not thread.is_alive() and exit_codes == [0]
+        assert took < 6.0  # half of it waiting for the lock, then the statement in hand
+        assert sent(engine, first) == set(first) - {locked}
