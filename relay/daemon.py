@@ -55,7 +55,7 @@ from outbox.relay.producers import (
 from outbox.relay.progress import ensure_progress_topic
 from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
-from outbox.relay.store import Failure, PendingRow, RelayStore, shard_window
+from outbox.relay.store import Failure, HeldRow, PendingRow, RelayStore, shard_window
 from outbox.relay.takeover import TakeOvers
 from outbox.relay.tracing import start_batch_span
 from outbox.relay.wakeup import WakeUp
@@ -112,6 +112,14 @@ RECORDING_POLL = 0.002
 READ_GROUPS = 4
 #: Sessions that mark batches sent, side by side (four measured as fast as two).
 MARKERS = 2
+#: Milliseconds a mark waits for a row lock another transaction holds (an operator's UPDATE, a
+#: long `outbox dead retry`) before the rows not locked are marked without it: a mark takes
+#: milliseconds and writers lock no pending row, so a wait this long is such a transaction,
+#: and the batch's other shards wait no longer than a couple of seconds for it.
+MARK_LOCK_TIMEOUT_MS = 2000
+#: Seconds between tries of a mark whose rows another transaction holds locked (a try waits
+#: for no lock): the rows are marked this long at most after the lock goes.
+MARK_RETRY_SECONDS = 0.5
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
 GC_THRESHOLDS = (50_000, 20, 100)
 
@@ -141,6 +149,8 @@ class _Ended:
     failures: list[Failure] = field(default_factory=list)
     lost_shards: list[int] = field(default_factory=list)
     gaps: list[uuid.UUID] = field(default_factory=list)
+    #: Rows another transaction held locked at the last try of the mark (None: not tried).
+    held: list[HeldRow] | None = None
 
 
 class Relay:
@@ -331,7 +341,7 @@ class Relay:
         started = False if self._stop.is_set() else self._start_next()
         settled = False
         if self._publisher.in_flight and not started:
-            if len(self._recorder):
+            if self._recorder.running:
                 # An outcome is being recorded: its shards are read again as soon as it is,
                 # and Kafka is served between short waits for it.
                 settled = self._settle(self._publisher.wait(0))
@@ -490,18 +500,53 @@ class Relay:
 
     def _mark(
         self, free: queue.SimpleQueue[psycopg.Connection], ended: _Ended, owner_key: int
-    ) -> None:
+    ) -> float | None:
         """Mark ``ended``'s acknowledgements sent on a free marking session (run by a
-        recorder's worker: there are as many workers as sessions, so one is always free)."""
+        recorder's worker: there are as many workers as sessions, so one is always free).
+
+        Returns None once every row is marked; else (rows another transaction holds locked)
+        the seconds after which to try again: the batch stays being recorded, its rows'
+        shards busy, so that nothing of them is read and sent again meanwhile."""
         session = free.get_nowait()
         try:
-            xid = self.store.mark_acked(ended.acks, session, owner_key)
+            xid, held = self._try_mark(ended, session, owner_key)
         finally:
             free.put(session)
         if xid is not None:
             # Known as soon as it committed: the loop's next look may come before it collects
             # this batch.
             self._quiet.own(xid)
+        ended.held = held
+        return MARK_RETRY_SECONDS if held else None
+
+    def _try_mark(
+        self, ended: _Ended, session: psycopg.Connection, owner_key: int
+    ) -> tuple[int | None, list[HeldRow]]:
+        """One try of ``_mark``: the id of the transaction that marked, and the rows left."""
+        if ended.held is None:
+            try:
+                return self.store.mark_acked(ended.acks, session, owner_key), []
+            except psycopg.errors.LockNotAvailable:  # see MARK_LOCK_TIMEOUT_MS
+                self.metrics.marks_blocked.inc()
+            held = [HeldRow(ack, self._rows[ack.id.int].shard, None) for ack in ended.acks]
+        else:
+            held = ended.held
+        try:
+            xid, left = self.store.mark_unlocked([h.ack for h in held], session, owner_key)
+        except psycopg.errors.LockNotAvailable:
+            return None, held  # the table is locked (a migration, say): nothing was marked
+        if left and ended.held is None:
+            log.warning(
+                "marking %d sent rows waits for row locks of other transactions (pids %s):"
+                " shards %s wait until they go; the batch's other rows were marked",
+                len(left),
+                sorted({h.pid for h in left if h.pid is not None}),
+                sorted({h.shard for h in left}),
+                extra={"message_ids": [str(h.ack.id) for h in left]},
+            )
+        elif not left and ended.held is not None:
+            log.warning("marked the %d rows other transactions' row locks held back", len(held))
+        return xid, left
 
     def _collect_recordings(self, block: bool) -> bool:
         """Finish the batches whose outcome the background recorded (with ``block``, every
@@ -510,6 +555,12 @@ class Relay:
         for ended in self._recorder.collect(block):
             self._finish(ended)
             finished = True
+        for ended in self._recorder.retrying():
+            # Marked but for rows another transaction holds locked: the shards of the marked
+            # rows go on (in place: the busy shards are read from these sets).
+            held = {h.shard for h in ended.held or ()}
+            for flight in ended.flights:
+                self._busy_shards[flight][0].intersection_update(held)
         return finished
 
     def _finish(self, ended: _Ended) -> None:
@@ -556,6 +607,11 @@ class Relay:
         while self._publisher.in_flight:
             self._settle(self._publisher.wait(WAIT_SLICE))
         self._collect_recordings(block=True)
+        while len(self._recorder) and not self._shutdown_overdue():
+            # A mark waiting for another transaction's row lock: its shards change hands
+            # only once it is marked (else their next owner would send its rows again).
+            self._recorder.wait(WAIT_SLICE)
+            self._collect_recordings(block=True)
 
     def _failure(self, row: PendingRow, kind: str, error: str) -> Failure:
         if kind == RETRIABLE and not self.config.retry.gives_up(row.attempts):
@@ -713,6 +769,7 @@ class Relay:
         # pending, and the pending index full of rows marked since the last vacuum, gave a
         # nested loop comparing every row with every id, 0.4-0.5 s per mark at 10,000 msgs/s.
         joins = " -c enable_nestloop=off" if marking else ""
+        locks = f" -c lock_timeout={MARK_LOCK_TIMEOUT_MS}" if marking else ""
         # The reading session runs the batch read alone, planned once for any parameters:
         # its plan (a walk of each shard's pending index) is the same for every batch, and
         # planning it again took a read's backend 0.7 of its 1 ms when the relay keeps up
@@ -743,6 +800,7 @@ class Relay:
             # session's locks, and not keep the other sessions' backends for hours.
             options=f"-c plan_cache_mode={plans} -c jit=off -c enable_seqscan=off"
             + joins
+            + locks
             + " -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3"
             " -c synchronous_commit=" + ("on" if self.config.marks_wait_for_flush else "off"),
         )

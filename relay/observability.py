@@ -52,6 +52,12 @@ class RelayMetrics:
             "outbox_relay_oldest_pending_seconds", "Age of the oldest pending message", registry=r
         )
         self.owned_shards = Gauge("outbox_relay_owned_shards", "Shards this relay owns", registry=r)
+        self.marks_blocked = Counter(
+            "outbox_relay_marks_blocked",
+            "Marks that stopped waiting for a row lock another transaction holds (the rows'"
+            " shards wait until the lock goes)",
+            registry=r,
+        )
         self.order_gaps = Counter(
             "outbox_relay_order_gaps",
             "Messages acknowledged after an earlier message of their key failed (never expected)",

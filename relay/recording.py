@@ -8,6 +8,10 @@ different shards run side by side. A batch's shards stay busy until its outcome 
 so none of its rows is read again before it is marked, and no two marks being recorded touch
 the same shard.
 
+A mark may come back unfinished (rows another transaction holds locked): ``record`` then
+returns the seconds after which to run it again, and its batch stays being recorded (its shards
+busy) until it is, aging from its first submission, whatever it tries meanwhile.
+
 Only single autocommit statements are recorded here. Outcomes with failures (a transaction on
 the owner session) are recorded by the loop itself, after it waited for what is being
 recorded (:meth:`OutcomeRecorder.collect` with ``block=True``).
@@ -34,9 +38,12 @@ class Recording(Generic[T]):
     """One outcome being recorded: what the loop finishes once it is (``batch``)."""
 
     batch: T
-    future: Future[None]
+    record: Callable[[], float | None]
+    #: The statement running (None: waiting to be run again, at ``retry_at``).
+    future: Future[float | None] | None
     #: When it was submitted (time.monotonic()): a mark blocked on a row lock ages from here.
     submitted: float = field(default_factory=time.monotonic)
+    retry_at: float = 0.0
 
 
 class OutcomeRecorder(Generic[T]):
@@ -52,30 +59,53 @@ class OutcomeRecorder(Generic[T]):
     def __len__(self) -> int:
         return len(self._pending)
 
-    def submit(self, batch: T, record: Callable[[], None]) -> None:
+    def submit(self, batch: T, record: Callable[[], float | None]) -> None:
         """Start recording ``batch`` with ``record()`` (beside what was submitted before, with
-        several workers: each ``record`` names its own session)."""
-        self._pending.append(Recording(batch, self._worker.submit(record)))
+        several workers: each ``record`` names its own session). ``record`` returns None once
+        the outcome is recorded, else the seconds after which to call it again."""
+        self._pending.append(Recording(batch, record, self._worker.submit(record)))
+
+    @property
+    def running(self) -> int:
+        """How many statements run now (the rest wait to be tried again)."""
+        return sum(1 for recording in self._pending if recording.future is not None)
+
+    def retrying(self) -> list[T]:
+        """The batches whose outcome was recorded in part, waiting to be tried again."""
+        return [recording.batch for recording in self._pending if recording.future is None]
 
     def oldest_submitted(self) -> float | None:
         """When the outcome being recorded the longest was submitted (None: none is)."""
         return min((recording.submitted for recording in self._pending), default=None)
 
     def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for any outcome being recorded to be recorded."""
-        if self._pending:
-            wait_for_futures(
-                [recording.future for recording in self._pending], timeout, FIRST_COMPLETED
-            )
+        """Wait up to ``timeout`` seconds for any outcome being recorded to be recorded, or
+        the next one waiting to be tried again to be due."""
+        running = [r.future for r in self._pending if r.future is not None]
+        due = min((r.retry_at for r in self._pending if r.future is None), default=None)
+        if due is not None:
+            timeout = min(timeout, max(0.0, due - time.monotonic()))
+        if running:
+            wait_for_futures(running, timeout, FIRST_COMPLETED)
+        elif due is not None:
+            time.sleep(timeout)
 
     def collect(self, block: bool) -> Iterator[T]:
         """The batches recorded so far, in the order submitted, passing over those still being
-        recorded; with ``block``, every one submitted, waiting for each. A statement that
-        failed raises its error here (the session is lost: see :meth:`abandon`)."""
+        recorded; with ``block``, every one running, waiting for each (those waiting to be
+        tried again are run when due, not waited for). A statement that failed raises its
+        error here (the session is lost: see :meth:`abandon`)."""
         for recording in list(self._pending):
+            if recording.future is None:
+                if time.monotonic() >= recording.retry_at:
+                    recording.future = self._worker.submit(recording.record)
+                continue
             if not block and not recording.future.done():
                 continue
-            recording.future.result()  # raises the statement's error
+            again = recording.future.result()  # raises the statement's error
+            if again is not None:
+                recording.future, recording.retry_at = None, time.monotonic() + again
+                continue
             self._pending.remove(recording)
             yield recording.batch
 
@@ -83,9 +113,10 @@ class OutcomeRecorder(Generic[T]):
         """The sessions are lost or closing: wait until no statement runs on them, and forget what
         was being recorded (a mark that did not commit leaves its rows pending, to be read
         again by their next owner)."""
-        wait_for_futures([recording.future for recording in self._pending])
-        for recording in self._pending:
-            error = recording.future.exception()
+        running = [r.future for r in self._pending if r.future is not None]
+        wait_for_futures(running)
+        for future in running:
+            error = future.exception()
             if error is not None:
                 log.debug("outcome not recorded: %s", error)
         self._pending.clear()

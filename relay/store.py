@@ -5,16 +5,35 @@ from __future__ import annotations
 import uuid
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from outbox.rows import READ_COLUMNS, Failure, OutboxRows, PendingRow, pending_row, pending_row_of
+from outbox.rows import (
+    READ_COLUMNS,
+    Failure,
+    OutboxRows,
+    PendingRow,
+    id_array_literal,
+    pending_row,
+    pending_row_of,
+)
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
-__all__ = ["Failure", "PendingRow", "RelayStore", "shard_window"]
+__all__ = ["Failure", "HeldRow", "PendingRow", "RelayStore", "shard_window"]
+
+
+@dataclass(frozen=True)
+class HeldRow:
+    """A row another transaction holds locked: its mark waits (``pid``: the holder's backend,
+    None when PostgreSQL does not say, several transactions sharing the lock say)."""
+
+    ack: Ack
+    shard: int
+    pid: int | None
 
 
 def shard_window(batch_size: int, shards: int) -> int:
@@ -125,6 +144,41 @@ class RelayStore(OutboxRows):
             self._marking_sql(name), {**params, "owner": None, "owner_key": owner_key}
         ).fetchone()
         return None if row is None or row[0] is None else int(row[0])
+
+    def mark_unlocked(
+        self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
+    ) -> tuple[int | None, list[HeldRow]]:
+        """Mark those of ``acks`` whose rows no other transaction holds locked, waiting for no
+        lock (one transaction on ``connection``); returns the id of the transaction and the
+        rows left unmarked, held by another transaction. Rows gone (deleted, or marked by the
+        shards' next owner) are not left: there is nothing to mark."""
+        ids = id_array_literal(ack.id for ack in acks)
+        table = self.spec.qualified_name
+        # The lock the mark itself takes: a delete conflicts with a key-share lock too.
+        strength = "UPDATE" if self.delete_on_send else "NO KEY UPDATE"
+        with connection.transaction():
+            free = {
+                row_id
+                for (row_id,) in connection.execute(
+                    f"SELECT id FROM {table} WHERE id = ANY(CAST(%(ids)s AS uuid[]))"
+                    f" FOR {strength} SKIP LOCKED",
+                    {"ids": ids},
+                )
+            }
+            # The holder is the transaction in the row's xmax (a lock shared by several names
+            # a multixact instead: no pid then).
+            held = connection.execute(
+                f"SELECT o.id, o.shard, l.pid FROM {table} AS o"
+                " LEFT JOIN pg_locks AS l ON l.locktype = 'transactionid'"
+                " AND l.transactionid = o.xmax AND l.mode = 'ExclusiveLock' AND l.granted"
+                " WHERE o.id = ANY(CAST(%(ids)s AS uuid[]))"
+                " AND NOT (o.id = ANY(CAST(%(free)s AS uuid[])))",
+                {"ids": ids, "free": id_array_literal(free)},
+            ).fetchall()
+            taken = [ack for ack in acks if ack.id in free]
+            xid = self.mark_acked(taken, connection, owner_key) if taken else None
+        by_id = {ack.id: ack for ack in acks}
+        return xid, [HeldRow(by_id[row_id], shard, pid) for row_id, shard, pid in held]
 
     def _marking_sql(self, name: str) -> str:
         """``name``'s statement, returning the id of its transaction (counting the changed
