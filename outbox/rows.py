@@ -201,6 +201,7 @@ class OutboxRows:
                 (
                     "mark_retry",
                     {
+                        **anywhere,
                         "ids": [f.id for f in retry],
                         "delays": [f.delay for f in retry],
                         "kinds": [f.kind for f in retry],
@@ -213,6 +214,7 @@ class OutboxRows:
                 (
                     "mark_dead",
                     {
+                        **anywhere,
                         "ids": [f.id for f in dead],
                         "kinds": [f.kind for f in dead],
                         "errors": [f.error[:2000] for f in dead],

@@ -55,7 +55,14 @@ from outbox.relay.producers import (
 from outbox.relay.progress import ensure_progress_topic
 from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
-from outbox.relay.store import Failure, HeldRow, PendingRow, RelayStore, shard_window
+from outbox.relay.store import (
+    MARK_LOCK_TIMEOUT_MS,
+    Failure,
+    HeldRow,
+    PendingRow,
+    RelayStore,
+    shard_window,
+)
 from outbox.relay.takeover import TakeOvers
 from outbox.relay.tracing import start_batch_span
 from outbox.relay.wakeup import WakeUp
@@ -112,11 +119,6 @@ RECORDING_POLL = 0.002
 READ_GROUPS = 4
 #: Sessions that mark batches sent, side by side (four measured as fast as two).
 MARKERS = 2
-#: Milliseconds a mark waits for a row lock another transaction holds (an operator's UPDATE, a
-#: long `outbox dead retry`) before the rows not locked are marked without it: a mark takes
-#: milliseconds and writers lock no pending row, so a wait this long is such a transaction,
-#: and the batch's other shards wait no longer than a couple of seconds for it.
-MARK_LOCK_TIMEOUT_MS = 2000
 #: Seconds between tries of a mark whose rows another transaction holds locked (a try waits
 #: for no lock): the rows are marked this long at most after the lock goes.
 MARK_RETRY_SECONDS = 0.5
@@ -151,6 +153,11 @@ class _Ended:
     gaps: list[uuid.UUID] = field(default_factory=list)
     #: Rows another transaction held locked at the last try of the mark (None: not tried).
     held: list[HeldRow] | None = None
+    #: A batch with failures whose recording waits for other transactions' row locks: what
+    #: is left to record (None: not tried yet), and the shards of the rows held (the others
+    #: go on).
+    unrecorded: tuple[list[Ack], list[Failure]] | None = None
+    held_shards: set[int] | None = None
 
 
 class Relay:
@@ -412,9 +419,15 @@ class Relay:
         ]
         if undecodable:
             self._collect_recordings(block=True)  # a transaction: alone on the session
-            with self.health.marking():
-                self.store.record_outcome([], undecodable, connection=self._conn)
-            self._observe_failures(undecodable, {row.id: "?" for row in batch})
+            try:
+                with self.health.marking():
+                    self.store.record_outcome([], undecodable, connection=self._conn)
+            except psycopg.errors.LockNotAvailable:
+                # Another transaction holds one of them locked (MARK_LOCK_TIMEOUT_MS): they
+                # stay pending, to be read and recorded again; the loop goes on.
+                log.warning("recording %d undecodable rows waits for a row lock", len(undecodable))
+            else:
+                self._observe_failures(undecodable, {row.id: "?" for row in batch})
         records = [row.record for row in batch if row.record is not None]
         if not records:
             return True
@@ -481,11 +494,12 @@ class Relay:
         # Rows not attempted (a shutdown, an aborted transaction) are still pending, untouched:
         # they are read again.
         if ended.failures:
-            # Several statements in one transaction: nothing else may run on the session.
-            self._collect_recordings(block=True)
-            with self.health.marking():
-                self.store.record_outcome(ended.acks, ended.failures, connection=self._conn)
-            self._finish(ended)
+            # In the background too, on a marking session: another transaction's row lock on
+            # one of the rows holds up this batch's shards only (see _record_failures).
+            record = functools.partial(
+                self._record_failures, self._free_markers, ended, self._owner_key
+            )
+            self._recorder.submit(ended, record)
         elif ended.acks:
             # Kafka answered now, however long the mark takes: a batch being marked is not
             # one that Kafka leaves unanswered (see _refresh_serving).
@@ -518,6 +532,45 @@ class Relay:
             self._quiet.own(xid)
         ended.held = held
         return MARK_RETRY_SECONDS if held else None
+
+    def _record_failures(
+        self, free: queue.SimpleQueue[psycopg.Connection], ended: _Ended, owner_key: int
+    ) -> float | None:
+        """Record ``ended``'s failures and acknowledgements on a free marking session (run by
+        a recorder's worker), waiting for no row lock. Returns None once every row is
+        recorded; else (rows another transaction holds locked) the seconds after which to
+        try again: the shards of those rows stay busy meanwhile, so that nothing of them is
+        read and sent again, and the batch's other shards go on."""
+        acks, failures = ended.unrecorded or (ended.acks, ended.failures)
+        session = free.get_nowait()
+        try:
+            held = self.store.record_unlocked(acks, failures, session, owner_key)
+        except psycopg.errors.LockNotAvailable:
+            held = None  # the table is locked (a migration, say): nothing was recorded
+        finally:
+            free.put(session)
+        if not held and held is not None:
+            if ended.unrecorded is not None:
+                log.warning("recorded the outcome of the rows other transactions held locked")
+            return None
+        if held is not None:
+            ids = {row_id for row_id, _, _ in held}
+            acks = [ack for ack in acks if ack.id in ids]
+            failures = [failure for failure in failures if failure.id in ids]
+            if ended.unrecorded is None:
+                self.metrics.marks_blocked.inc()
+                log.warning(
+                    "recording the outcome of %d rows waits for row locks of other "
+                    "transactions (pids %s): shards %s wait until they go; the batch's other "
+                    "rows were recorded",
+                    len(held),
+                    sorted({pid for _, _, pid in held if pid is not None}),
+                    sorted({shard for _, shard, _ in held}),
+                    extra={"message_ids": [str(row_id) for row_id, _, _ in held]},
+                )
+            ended.held_shards = {shard for _, shard, _ in held}
+        ended.unrecorded = (acks, failures)
+        return MARK_RETRY_SECONDS
 
     def _try_mark(
         self, ended: _Ended, session: psycopg.Connection, owner_key: int
@@ -556,9 +609,14 @@ class Relay:
             self._finish(ended)
             finished = True
         for ended in self._recorder.retrying():
-            # Marked but for rows another transaction holds locked: the shards of the marked
-            # rows go on (in place: the busy shards are read from these sets).
-            held = {h.shard for h in ended.held or ()}
+            # Recorded but for rows another transaction holds locked: the shards of the
+            # recorded rows go on (in place: the busy shards are read from these sets).
+            if ended.unrecorded is not None:
+                if ended.held_shards is None:
+                    continue  # the table was locked: nothing of it recorded yet
+                held = ended.held_shards
+            else:
+                held = {h.shard for h in ended.held or ()}
             for flight in ended.flights:
                 self._busy_shards[flight][0].intersection_update(held)
         return finished

@@ -23,7 +23,7 @@ from outbox.rows import (
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
-__all__ = ["Failure", "HeldRow", "PendingRow", "RelayStore", "shard_window"]
+__all__ = ["MARK_LOCK_TIMEOUT_MS", "Failure", "HeldRow", "PendingRow", "RelayStore", "shard_window"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,14 @@ class HeldRow:
     ack: Ack
     shard: int
     pid: int | None
+
+
+#: Milliseconds a mark waits for a row lock another transaction holds (an operator's UPDATE, a
+#: long `outbox dead retry`) before it gives up, to try again later: a mark takes
+#: milliseconds and writers lock no pending row, so a wait this long is such a transaction,
+#: and the batch's other shards wait no longer than a couple of seconds for it. (The relay's
+#: marking sessions have it as their lock_timeout; a transaction recording failures sets it.)
+MARK_LOCK_TIMEOUT_MS = 2000
 
 
 def shard_window(batch_size: int, shards: int) -> int:
@@ -125,12 +133,16 @@ class RelayStore(OutboxRows):
         if len(statements) == 1 and not failures:  # the usual batch: one autocommit round trip
             self.mark_acked(acks, connection, owner_key)
             return
-        assert owner_key is None, "failures are recorded on the owner session"
         with connection.pipeline(), connection.transaction():
             connection.execute("SET LOCAL synchronous_commit = on")
             connection.execute("SET LOCAL enable_nestloop = off")  # see hash_joins_only
+            # Another transaction's row lock on one of the rows: given up after a while, the
+            # whole outcome unrecorded (LockNotAvailable), so that the caller tries again.
+            connection.execute(f"SET LOCAL lock_timeout = {MARK_LOCK_TIMEOUT_MS}")
             for name, params in statements:  # sent together: one round trip
-                connection.execute(self._psycopg_sql(name), {**params, "owner": None})
+                connection.execute(
+                    self._psycopg_sql(name), {**params, "owner": None, "owner_key": owner_key}
+                )
 
     def mark_acked(
         self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
@@ -152,33 +164,71 @@ class RelayStore(OutboxRows):
         lock (one transaction on ``connection``); returns the id of the transaction and the
         rows left unmarked, held by another transaction. Rows gone (deleted, or marked by the
         shards' next owner) are not left: there is nothing to mark."""
-        ids = id_array_literal(ack.id for ack in acks)
-        table = self.spec.qualified_name
-        # The lock the mark itself takes: a delete conflicts with a key-share lock too.
-        strength = "UPDATE" if self.delete_on_send else "NO KEY UPDATE"
         with connection.transaction():
-            free = {
-                row_id
-                for (row_id,) in connection.execute(
-                    f"SELECT id FROM {table} WHERE id = ANY(CAST(%(ids)s AS uuid[]))"
-                    f" FOR {strength} SKIP LOCKED",
-                    {"ids": ids},
-                )
-            }
-            # The holder is the transaction in the row's xmax (a lock shared by several names
-            # a multixact instead: no pid then).
-            held = connection.execute(
-                f"SELECT o.id, o.shard, l.pid FROM {table} AS o"
-                " LEFT JOIN pg_locks AS l ON l.locktype = 'transactionid'"
-                " AND l.transactionid = o.xmax AND l.mode = 'ExclusiveLock' AND l.granted"
-                " WHERE o.id = ANY(CAST(%(ids)s AS uuid[]))"
-                " AND NOT (o.id = ANY(CAST(%(free)s AS uuid[])))",
-                {"ids": ids, "free": id_array_literal(free)},
-            ).fetchall()
+            free, held = self._lock_unlocked([ack.id for ack in acks], connection)
             taken = [ack for ack in acks if ack.id in free]
             xid = self.mark_acked(taken, connection, owner_key) if taken else None
         by_id = {ack.id: ack for ack in acks}
         return xid, [HeldRow(by_id[row_id], shard, pid) for row_id, shard, pid in held]
+
+    def record_unlocked(
+        self,
+        acks: Sequence[Ack],
+        failures: Sequence[Failure],
+        connection: psycopg.Connection,
+        owner_key: int | None,
+    ) -> list[tuple[uuid.UUID, int, int | None]]:
+        """Record the outcome (``acks`` and ``failures``) of the rows no other transaction
+        holds locked, waiting for no lock, in one transaction on ``connection`` (a session
+        beside the owner session named by ``owner_key``); returns the rows left unrecorded,
+        held by another transaction: (id, shard, the holder's pid or None).
+
+        Failures always wait for the disk flush (see ``record_outcome``)."""
+        with connection.transaction():
+            connection.execute("SET LOCAL synchronous_commit = on")
+            connection.execute("SET LOCAL enable_nestloop = off")  # see hash_joins_only
+            free, held = self._lock_unlocked(
+                [*(ack.id for ack in acks), *(failure.id for failure in failures)], connection
+            )
+            statements = self._outcome_statements(
+                [ack for ack in acks if ack.id in free],
+                [failure for failure in failures if failure.id in free],
+            )
+            for name, params in statements:
+                connection.execute(
+                    self._psycopg_sql(name), {**params, "owner": None, "owner_key": owner_key}
+                )
+        return [(row_id, shard, pid) for row_id, shard, pid in held]
+
+    def _lock_unlocked(
+        self, ids: Sequence[uuid.UUID], connection: psycopg.Connection
+    ) -> tuple[set[uuid.UUID], list[tuple[uuid.UUID, int, int | None]]]:
+        """In the transaction open on ``connection``: lock those of the rows ``ids`` that no
+        other transaction holds locked (skipping the others), as the mark would; returns them,
+        and the rows skipped with their shard and the holder's pid."""
+        literal = id_array_literal(ids)
+        table = self.spec.qualified_name
+        # The lock the mark itself takes: a delete conflicts with a key-share lock too.
+        strength = "UPDATE" if self.delete_on_send else "NO KEY UPDATE"
+        free = {
+            row_id
+            for (row_id,) in connection.execute(
+                f"SELECT id FROM {table} WHERE id = ANY(CAST(%(ids)s AS uuid[]))"
+                f" FOR {strength} SKIP LOCKED",
+                {"ids": literal},
+            )
+        }
+        # The holder is the transaction in the row's xmax (a lock shared by several names a
+        # multixact instead: no pid then).
+        held = connection.execute(
+            f"SELECT o.id, o.shard, l.pid FROM {table} AS o"
+            " LEFT JOIN pg_locks AS l ON l.locktype = 'transactionid'"
+            " AND l.transactionid = o.xmax AND l.mode = 'ExclusiveLock' AND l.granted"
+            " WHERE o.id = ANY(CAST(%(ids)s AS uuid[]))"
+            " AND NOT (o.id = ANY(CAST(%(free)s AS uuid[])))",
+            {"ids": literal, "free": id_array_literal(free)},
+        ).fetchall()
+        return free, [(row_id, shard, pid) for row_id, shard, pid in held]
 
     def _marking_sql(self, name: str) -> str:
         """``name``'s statement, returning the id of its transaction (counting the changed

@@ -226,7 +226,8 @@ SELECT EXISTS (
           AND shard = ANY(CAST(:shards AS smallint[])));
 
 -- name: mark_retry
--- Record a failed attempt: back off until next_attempt_at, keep the error, give the row back.
+-- Record a failed attempt: back off until next_attempt_at, keep the error, give the row back
+-- (:owner and :owner_key as in mark_sent).
 UPDATE {table} AS o
    SET attempts = o.attempts + 1,
        next_attempt_at = now() + make_interval(secs => failed.delay),
@@ -238,10 +239,12 @@ UPDATE {table} AS o
               CAST(:errors AS text[])) AS failed (id, delay, kind, error)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
    AND o.id = failed.id AND o.status = (SELECT 'pending')
-   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner);
+   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner)
+   AND (CAST(:owner_key AS integer) IS NULL OR ({owner_alive}));
 
 -- name: mark_dead
--- Give up on rows: they stay, dead, with the reason, until an operator retries or purges them.
+-- Give up on rows: they stay, dead, with the reason, until an operator retries or purges them
+-- (:owner and :owner_key as in mark_sent).
 UPDATE {table} AS o
    SET status = 'dead',
        attempts = o.attempts + 1,
@@ -253,7 +256,8 @@ UPDATE {table} AS o
        AS failed (id, kind, error)
  WHERE o.id = ANY(CAST(:ids AS uuid[]))  -- lets the planner use the primary key
    AND o.id = failed.id AND o.status = (SELECT 'pending')
-   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner);
+   AND (CAST(:owner AS text) IS NULL OR o.lease_owner = :owner)
+   AND (CAST(:owner_key AS integer) IS NULL OR ({owner_alive}));
 
 -- name: mark_sent_unleased
 -- Exactly-once recovery: rows whose Kafka transaction committed before their owner died.

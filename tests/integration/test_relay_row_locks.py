@@ -160,3 +160,44 @@ def test_a_relay_stopped_while_a_row_lock_holds_its_mark_exits_within_the_shutdo
         assert not thread.is_alive() and exit_codes == [0]
         assert took < 6.0  # half of it waiting for the lock, then the statement in hand
         assert sent(engine, first) == set(first) - {locked}
+
+
+@pytest.mark.parametrize(
+    ("mode", "lock"),
+    [("at-least-once", "select for update"), ("exactly-once", "uncommitted update")],
+)
+def test_a_failed_row_locked_by_another_transaction_holds_back_only_its_shard(  # type: ignore[no-untyped-def]
+    engine, outbox_url, mode, lock
+) -> None:
+    """The batch's failure (a retry to record on the locked row) waits for the lock as a mark
+    does: the other shards go on meanwhile, the failure is recorded once the lock is gone,
+    and the row is sent once after its backoff."""
+    first = publish_spread(engine, "first")
+    locked = first[0]
+    stub = StubPublisher()
+    tries: Counter[uuid.UUID] = Counter()
+
+    def decide(record: OutboxRecord) -> str:
+        tries[record.id] += 1
+        return "retry" if record.id == locked and tries[record.id] == 1 else "ack"
+
+    stub.decide = decide
+    with looping(Relay(config(outbox_url, mode=mode), publisher=stub)) as relay:
+        with row_locked(outbox_url, locked, LOCKS[lock]):
+            wait_for(lambda: tries[locked] == 1)
+            second = publish_spread(engine, "second")
+            shard = shards_of(engine, first + second)
+            locked_shard = shard[locked]
+            free = [i for i in second if shard[i] != locked_shard]
+            # The second transaction goes on every shard but the locked row's.
+            wait_for(lambda: sent(engine, free) == set(free), timeout=15)
+            assert relay.metrics.marks_blocked._value.get() >= 1
+            assert tries[locked] == 1  # not read again while its failure waits
+        wait_for(lambda: sent(engine, first + second) == set(first + second), timeout=15)
+        with engine.connect() as conn:
+            attempts = conn.execute(
+                sa.text("SELECT attempts FROM outbox WHERE id = :id"), {"id": locked}
+            ).scalar_one()
+    assert attempts == 2  # the failure was recorded, then the send
+    sends = Counter(record.id for record in stub.acked)
+    assert set(sends) == set(first + second) and max(sends.values()) == 1
