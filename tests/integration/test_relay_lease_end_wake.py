@@ -58,28 +58,33 @@ def test_a_lease_ending_just_after_a_read_lets_its_key_go_long_before_the_poll_i
         store=store,
         publisher=stub,
     )
-    with looping(relay):
-        wait_for(
-            lambda: (
-                relay._ownership is not None
-                and len(relay._ownership.owned) == SHARD_COUNT
-                and relay._wake is not None
-                and relay._wake.asleep
+    try:
+        with looping(relay):
+            wait_for(
+                lambda: (
+                    relay._ownership is not None
+                    and len(relay._ownership.owned) == SHARD_COUNT
+                    and relay._wake is not None
+                    and relay._wake.asleep
+                )
             )
-        )
-        held = insert_row(engine, "k", lease_owner="immediate-gone", lease_until=in_seconds(3600))
-        later = insert_row(engine, "k")
-        time.sleep(0.3)
-        assert not stub.acked  # both wait for the sender's lease
-        with engine.begin() as conn:  # the sender's lease nears its end
-            conn.execute(
-                sa.text("UPDATE outbox SET lease_until = :until WHERE id = :id"),
-                {"until": in_seconds(LEASE_LEFT), "id": held},
+            held = insert_row(
+                engine, "k", lease_owner="immediate-gone", lease_until=in_seconds(3600)
             )
-        ended = time.monotonic() + LEASE_LEFT + 0.05
-        store.lease_ends = ended
-        wait_for(lambda: later in {r.id for r in stub.acked}, POLL + 5)
-        picked_up = time.monotonic() - ended
+            later = insert_row(engine, "k")
+            time.sleep(0.3)
+            assert not stub.acked  # both wait for the sender's lease
+            with engine.begin() as conn:  # the sender's lease nears its end
+                conn.execute(
+                    sa.text("UPDATE outbox SET lease_until = :until WHERE id = :id"),
+                    {"until": in_seconds(LEASE_LEFT), "id": held},
+                )
+            ended = time.monotonic() + LEASE_LEFT + 0.05
+            store.lease_ends = ended
+            wait_for(lambda: later in {r.id for r in stub.acked}, POLL + 5)
+            picked_up = time.monotonic() - ended
+    finally:
+        store.engine.dispose()
     assert store.widened
     print(f"the held key's rows picked up {picked_up * 1000:.0f} ms after the lease ended")
     assert picked_up < BOUND, picked_up
