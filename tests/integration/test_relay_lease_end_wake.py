@@ -1,0 +1,90 @@
+"""A lease that ends with time alone (an immediate sender that stopped before its mark) makes
+the rows of its key sendable with no commit to wake the relay: the relay that sleeps while
+leases are held looks again every HELD_RELOOK_SECONDS. Real PostgreSQL, stub publisher."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox.engines import sender_engine
+from outbox.relay.daemon import Relay
+from outbox.relay.store import PendingRow, RelayStore
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from tests.integration.test_relay_loop import StubPublisher, config, wait_for
+from tests.integration.test_relay_wakeups import BOUND, POLL, in_seconds, insert_row
+from tests.relay_helpers import looping
+
+pytestmark = pytest.mark.integration
+
+#: Seconds left on the lease when it is shortened.
+LEASE_LEFT = 0.5
+
+
+class LeaseEndsAfterRead(RelayStore):
+    """Once armed, the next read that finds nothing returns only after ``lease_ends``
+    (time.monotonic()): the lease it saw held ends between the read and the relay's look at
+    the leases (``leases_held``), a window of a round trip that this widens."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(sender_engine(url), OutboxTableSpec(), "lease-end")
+        self.lease_ends: float | None = None
+        self.widened = False
+
+    def read_batch(self, *args: Any, **kwargs: Any) -> list[PendingRow]:
+        rows = super().read_batch(*args, **kwargs)
+        if self.lease_ends is not None and not rows:
+            time.sleep(max(0.0, self.lease_ends - time.monotonic()))
+            self.lease_ends, self.widened = None, True
+        return rows
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="leases_held counts only live leases: a lease that ends between the read that"
+    " found its key held and that look leaves the relay asleep for its poll interval, and"
+    " nothing commits to wake it",
+)
+def test_a_lease_ending_just_after_a_read_lets_its_key_go_long_before_the_poll_interval(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    stub = StubPublisher(latency=0.002)
+    store = LeaseEndsAfterRead(outbox_url)
+    relay = Relay(
+        config(outbox_url, poll_interval=POLL, rebalance_interval=30.0),
+        store=store,
+        publisher=stub,
+    )
+    try:
+        with looping(relay):
+            wait_for(
+                lambda: (
+                    relay._ownership is not None
+                    and len(relay._ownership.owned) == SHARD_COUNT
+                    and relay._wake is not None
+                    and relay._wake.asleep
+                )
+            )
+            held = insert_row(
+                engine, "k", lease_owner="immediate-gone", lease_until=in_seconds(3600)
+            )
+            later = insert_row(engine, "k")
+            time.sleep(0.3)
+            assert not stub.acked  # both wait for the sender's lease
+            with engine.begin() as conn:  # the sender's lease nears its end
+                conn.execute(
+                    sa.text("UPDATE outbox SET lease_until = :until WHERE id = :id"),
+                    {"until": in_seconds(LEASE_LEFT), "id": held},
+                )
+            ended = time.monotonic() + LEASE_LEFT + 0.05
+            store.lease_ends = ended
+            wait_for(lambda: later in {r.id for r in stub.acked}, POLL + 5)
+            picked_up = time.monotonic() - ended
+    finally:
+        store.engine.dispose()
+    assert store.widened
+    print(f"the held key's rows picked up {picked_up * 1000:.0f} ms after the lease ended")
+    assert picked_up < BOUND, picked_up
