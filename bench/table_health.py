@@ -29,6 +29,7 @@ from bench.relay_throughput import write_steadily
 from bench.stack import bench_stack, machine, percentile
 from outbox import migrate
 from outbox.queries import Queries
+from outbox.relay.store import HELD_REACH
 from outbox.schema import DEFAULT_SPEC, PENDING_AUTOVACUUM, SHARD_COUNT
 
 SAMPLE_EVERY = 5.0
@@ -59,6 +60,7 @@ def sample(conninfo: str, read_sql: str, samples: Samples) -> None:
             {
                 "shards": list(range(SHARD_COUNT)),
                 "window": 125,
+                "held_reach": HELD_REACH,
                 "batch_size": 1000,
                 "owner_key": None,
                 **DEFAULT_SPEC.owner_session_keys,
@@ -85,7 +87,7 @@ def one_run(
         conn.execute("SELECT pg_stat_reset()")
     read_sql = str(Queries(DEFAULT_SPEC)["read_batch"]).replace(":shards", "%(shards)s")
     read_sql = read_sql.replace(":window", "%(window)s").replace(":batch_size", "%(batch_size)s")
-    for name in ("owner_key", "session_space"):
+    for name in ("owner_key", "session_space", "held_reach"):
         read_sql = read_sql.replace(f":{name}", f"%({name})s")
     env = {
         **os.environ,

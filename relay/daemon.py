@@ -658,18 +658,27 @@ class Relay:
                 self._rows.pop(record.id.int, None)
         self.batches += len(ended.flights)
 
-    def _drain(self) -> None:
-        """Wait for every batch in flight and record it (before ownership changes)."""
+    def _drain(self, wait_for_held: bool = True) -> None:
+        """Wait for every batch in flight and record it (before ownership changes). Outcomes
+        waiting for another transaction's row lock are waited for only with
+        ``wait_for_held`` (and until the shutdown is overdue): their shards stay busy, and
+        must not change hands (see :meth:`_held_shards`)."""
         assert self._publisher is not None
         self._finish_take_overs(wait_for_all=True)
         while self._publisher.in_flight:
             self._settle(self._publisher.wait(WAIT_SLICE))
         self._collect_recordings(block=True)
-        while len(self._recorder) and not self._shutdown_overdue():
+        while wait_for_held and len(self._recorder) and not self._shutdown_overdue():
             # A mark waiting for another transaction's row lock: its shards change hands
             # only once it is marked (else their next owner would send its rows again).
             self._recorder.wait(WAIT_SLICE)
             self._collect_recordings(block=True)
+
+    def _held_shards(self) -> set[int]:
+        """The shards still busy after a drain: their rows' outcome waits for another
+        transaction's row lock. They change hands only once it is recorded (their next owner
+        would send the rows again), so a rebalance keeps them meanwhile."""
+        return set().union(*(shards for shards, _, _ in self._busy_shards.values()))
 
     def _failure(self, row: PendingRow, kind: str, error: str) -> Failure:
         if kind == RETRIABLE and not self.config.retry.gives_up(row.attempts):
@@ -913,7 +922,9 @@ class Relay:
         # A shard changes hands only with no batch of it in flight: the batches in flight
         # finish first when shards are to be let go (gained shards have none).
         gained, lost = self._ownership.rebalance(
-            can_serve=self._kafka_reachable, before_letting_go=self._drain
+            can_serve=self._kafka_reachable,
+            before_letting_go=functools.partial(self._drain, wait_for_held=False),
+            keep=self._held_shards,
         )
         if self._wake is not None:
             self._wake.alone = self._ownership.member_count <= 1
@@ -1035,7 +1046,9 @@ class Relay:
         assert self._ownership is not None and self._publisher is not None
         if self._ownership.others_serving() == 0:
             return
-        self._drain()  # nothing of a shard may be in flight when it is let go
+        self._drain(wait_for_held=False)  # nothing of a shard may be in flight when it goes
+        if self._held_shards():
+            return  # an outcome waits for a row lock: stay until it is recorded
         released = self._ownership.step_aside()
         if released is None:
             return  # nobody else serves: keep trying here

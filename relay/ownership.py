@@ -132,22 +132,27 @@ class ShardOwnership:
         self,
         can_serve: Callable[[], bool] = lambda: True,
         before_letting_go: Callable[[], None] = lambda: None,
+        keep: Callable[[], set[int]] = set,
     ) -> tuple[list[int], list[int]]:
         """Let go of shards above this relay's share, lock free ones below it.
 
         ``can_serve`` is asked before locking any: a relay that cannot publish right now
         (Kafka out of its reach) takes nothing from relays that can. ``before_letting_go``
         runs before any shard is unlocked: a lost shard must have no batch in flight, so the
-        relay finishes its batches there (and only when it has shards to give up).
+        relay finishes its batches there (and only when it has shards to give up). ``keep``,
+        asked after it, names shards that may not go yet (a batch of theirs still being
+        recorded): fewer shards go then, and the rest at a later rebalance.
         Returns (gained, lost).
         """
         self.member_count = self.members()
         target = math.ceil(self.shard_count / self.member_count)
+        kept: set[int] = set()
         if len(self.owned) > target:
             before_letting_go()
+            kept = keep()
         lost: list[int] = []
-        while len(self.owned) > target:
-            shard = max(self.owned)
+        while len(self.owned) > target and self.owned - kept:
+            shard = max(self.owned - kept)
             self.conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._shards_key, shard))
             self.owned.discard(shard)
             lost.append(shard)

@@ -23,7 +23,15 @@ from outbox.rows import (
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
 from outbox.sending import Ack
 
-__all__ = ["MARK_LOCK_TIMEOUT_MS", "Failure", "HeldRow", "PendingRow", "RelayStore", "shard_window"]
+__all__ = [
+    "HELD_REACH",
+    "MARK_LOCK_TIMEOUT_MS",
+    "Failure",
+    "HeldRow",
+    "PendingRow",
+    "RelayStore",
+    "shard_window",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,13 @@ class HeldRow:
 #: and the batch's other shards wait no longer than a couple of seconds for it. (The relay's
 #: marking sessions have it as their lock_timeout; a transaction recording failures sets it.)
 MARK_LOCK_TIMEOUT_MS = 2000
+
+
+#: How many rows leased by immediate senders, and later rows of their keys, a read passes
+#: over in one shard to fill its window with rows that may go (leases are short: a sender
+#: holds at most what it sent in the last few seconds). It bounds the read's walk of a shard
+#: whatever the leases.
+HELD_REACH = 10_000
 
 
 def shard_window(batch_size: int, shards: int) -> int:
@@ -89,6 +104,7 @@ class RelayStore(OutboxRows):
         params = {
             "shards": list(shards),
             "window": window,
+            "held_reach": HELD_REACH,
             "batch_size": batch_size,
             "owner_key": owner_key,
             **self.spec.owner_session_keys,

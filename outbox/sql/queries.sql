@@ -167,8 +167,9 @@ DELETE FROM {table} AS o
 -- Each shard's window is its first :window rows that may go. Rows that may not are passed over
 -- before they are counted, each by one probe of a small partial index, and only in a shard
 -- that has such rows: rows backing off and the later rows of their keys (the retry index),
--- rows leased by an immediate sender and the later rows of their keys (the lease index). So a
--- key with a deep backlog behind a failing or leased message never fills the window by itself.
+-- rows leased by an immediate sender and the later rows of their keys (the lease index, up to
+-- :held_reach of them per shard). So a key with a deep backlog behind a failing or leased
+-- message never fills the window by itself.
 -- Given :owner_key, nothing is read once its owner session is gone (see owner_alive).
 WITH held AS MATERIALIZED (
     SELECT s.shard
@@ -187,28 +188,35 @@ window_rows AS (
                    WHERE l.status = 'pending' AND l.lease_until IS NOT NULL
                      AND l.lease_until > now() AND l.shard = s.shard) AS leasing) AS r
      CROSS JOIN LATERAL (
-           SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type,
-                  p.header_names, p.header_values, p.attempts, p.created_at, p.generation
-             FROM {table} AS p
-            WHERE p.status = 'pending' AND p.shard = s.shard
-              AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
-              AND (p.lease_until IS NULL OR p.lease_until <= now())
-              -- Probed only in a shard with rows backing off (leased), and kept a probe per
-              -- row by the OR (an anti join would compare each row with every such row).
-              AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
-                  SELECT 1
-                    FROM {table} AS f
-                   WHERE f.status = 'pending' AND f.next_attempt_at > now()
-                     AND f.shard = p.shard AND f.topic = p.topic
-                     AND f.key = p.key AND f.seq < p.seq))
-              AND (NOT r.leasing OR p.key IS NULL OR NOT EXISTS (
+           SELECT w.*
+             FROM (SELECT p.id, p.seq, p.shard, p.topic, p.key, p.value, p.content_type,
+                          p.header_names, p.header_values, p.attempts, p.created_at,
+                          p.generation, p.lease_until
+                     FROM {table} AS p
+                    WHERE p.status = 'pending' AND p.shard = s.shard
+                      AND (p.next_attempt_at IS NULL OR p.next_attempt_at <= now())
+                      -- Probed only in a shard with rows backing off, and kept a probe per
+                      -- row by the OR (an anti join would compare each row with every such
+                      -- row).
+                      AND (NOT r.backing_off OR p.key IS NULL OR NOT EXISTS (
+                          SELECT 1
+                            FROM {table} AS f
+                           WHERE f.status = 'pending' AND f.next_attempt_at > now()
+                             AND f.shard = p.shard AND f.topic = p.topic
+                             AND f.key = p.key AND f.seq < p.seq))
+                    ORDER BY p.seq
+                    -- The walk's bound: leased rows and their keys' later rows passed over
+                    -- count towards it.
+                    LIMIT CAST(:window AS integer) + CAST(:held_reach AS integer)) AS w
+            WHERE (w.lease_until IS NULL OR w.lease_until <= now())
+              AND (NOT r.leasing OR w.key IS NULL OR NOT EXISTS (
                   SELECT 1
                     FROM {table} AS l
                    WHERE l.status = 'pending' AND l.lease_until IS NOT NULL
                      AND l.lease_until > now()
-                     AND l.shard = p.shard AND l.topic = p.topic
-                     AND l.key = p.key AND l.seq < p.seq))
-            ORDER BY p.seq
+                     AND l.shard = w.shard AND l.topic = w.topic
+                     AND l.key = w.key AND l.seq < w.seq))
+            ORDER BY w.seq
             LIMIT :window) AS p)
 -- (Columns in the order of outbox.rows.READ_COLUMNS; the id also as text, for its header.)
 SELECT w.id, w.seq, w.shard, w.topic, w.key, w.value, w.content_type, w.header_names,
@@ -218,11 +226,13 @@ SELECT w.id, w.seq, w.shard, w.topic, w.key, w.value, w.content_type, w.header_n
  LIMIT :batch_size;
 
 -- name: leases_held
--- Whether an immediate sender holds pending rows of the given shards (the lease index): their
--- keys' later rows wait for the sender's mark, an UPDATE that wakes no relay.
+-- Whether an immediate sender holds, or held, pending rows of the given shards (the lease
+-- index): their keys' later rows wait for the sender's mark, an UPDATE that wakes no relay.
+-- A lease that ran out counts too, until its row is marked or given back: it may have run
+-- out after the read that found its key held, and no commit wakes the relay for that.
 SELECT EXISTS (
        SELECT 1 FROM {table}
-        WHERE status = 'pending' AND lease_until IS NOT NULL AND lease_until > now()
+        WHERE status = 'pending' AND lease_until IS NOT NULL
           AND shard = ANY(CAST(:shards AS smallint[])));
 
 -- name: mark_retry

@@ -42,12 +42,6 @@ class LeaseEndsAfterRead(RelayStore):
         return rows
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="leases_held counts only live leases: a lease that ends between the read that"
-    " found its key held and that look leaves the relay asleep for its poll interval, and"
-    " nothing commits to wake it",
-)
 def test_a_lease_ending_just_after_a_read_lets_its_key_go_long_before_the_poll_interval(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:

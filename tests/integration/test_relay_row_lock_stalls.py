@@ -65,11 +65,6 @@ def failing_once_beside(
     return stub, failed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a batch with a failure is recorded on the owner session, which has no"
-    " lock_timeout: its mark waits for the locked row in the loop, and every shard stops",
-)
 def test_a_batch_with_a_failure_and_a_locked_row_holds_up_no_other_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
@@ -89,12 +84,6 @@ def test_a_batch_with_a_failure_and_a_locked_row_holds_up_no_other_shard(  # typ
         wait_for(lambda: sent(engine, free) == set(free), timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stop() cannot cut short a batch with a failure being recorded on the owner"
-    " session while another transaction holds one of its rows locked: the relay exits only"
-    " once the lock goes, whatever the shutdown timeout",
-)
 def test_a_relay_stopped_while_a_row_lock_holds_a_batch_with_a_failure_exits_in_time(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
@@ -115,12 +104,6 @@ def test_a_relay_stopped_while_a_row_lock_holds_a_batch_with_a_failure_exits_in_
     assert stopped_in_time
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_drain, called before shards are let go at a rebalance, waits for a mark blocked"
-    " on a row lock for as long as the lock is held (only a stop cuts it short): the relay"
-    " sends nothing meanwhile, and the joining relay gets no shard",
-)
 def test_a_relay_joining_while_a_mark_waits_for_a_row_lock_stops_no_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
