@@ -6,11 +6,13 @@ import enum
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, Final
 
+from outbox.delivery_time import delivery_time
 from outbox.errors import InvalidKey, InvalidMessage, PayloadTooLarge, SerializationError
 from outbox.ids import uuid7
-from outbox.schema import shard_of
+from outbox.schema import SCHEDULED, shard_of
 from outbox.serialization import Serializer, content_type_of
 from outbox.validation import (
     HeadersLike,
@@ -47,6 +49,9 @@ class Message:
     key: KeyLike | NoKey = NO_KEY
     headers: HeadersLike = None
     idempotency_key: str | None = None
+    #: Not before this long after the publish, or this aware datetime: see docs/scheduled.md.
+    deliver_after: float | timedelta | None = None
+    deliver_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class EncodedMessage:
     id: uuid.UUID
     row: dict[str, Any] = field(repr=False)
     idempotency_key: str | None
+    #: When it may be delivered (a scheduled message), None when at once.
+    deliver_at: datetime | None = None
 
 
 def _given_key(key: KeyLike, topic: str) -> KeyLike:
@@ -92,6 +99,7 @@ def encode_message(
     headers, except those the message sets itself.
     """
     topic = validate_topic(message.topic)
+    deliver_at = delivery_time(message.deliver_after, message.deliver_at)
     key = None if message.key is NO_KEY else encode_key(_given_key(message.key, topic))
     headers = encode_headers(message.headers)
     if trace_headers:
@@ -143,4 +151,7 @@ def encode_message(
         row["header_values"] = [header for _, header in headers]
     if message.idempotency_key is not None:
         row["idempotency_key"] = message.idempotency_key
-    return EncodedMessage(id=message_id, row=row, idempotency_key=message.idempotency_key)
+    if deliver_at is not None:
+        row["status"] = SCHEDULED
+        row["deliver_at"] = deliver_at
+    return EncodedMessage(message_id, row, message.idempotency_key, deliver_at)

@@ -1,0 +1,178 @@
+"""Scheduled messages on the real stack: stored with the business rows, invisible to the read
+until due, made pending in due order by the relay that owns their shard, sent within a second
+of their time by an idle relay that wakes for them, cancelled before that."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from outbox import Message, Outbox
+from outbox.devstack.topics import consume_messages
+from outbox.errors import InvalidSchedule, NotScheduled
+from outbox.relay.observability import RelayMetrics
+from outbox.relay.promotion import ScheduledPromotion
+from outbox.scheduled import ScheduledMessages
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from tests.conftest import outbox_conninfo
+from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def rows(engine: sa.Engine) -> dict[uuid.UUID, sa.Row]:  # type: ignore[type-arg]
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.text(
+                "SELECT id, seq, status, deliver_at, created_at, sent_at, lease_owner FROM outbox"
+            )
+        )
+        return {row.id: row for row in found}
+
+
+def test_a_scheduled_message_is_stored_with_the_transaction_and_only_then(engine) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    due = datetime.now(UTC) + timedelta(hours=1)
+    with pytest.raises(RuntimeError), ob.transaction() as tx:
+        tx.publish("orders", {"n": 1}, key=1, deliver_at=due)
+        raise RuntimeError("the business step failed")
+    assert rows(engine) == {}
+    with ob.transaction() as tx:
+        later = tx.publish("orders", {"n": 2}, key=1, deliver_after=timedelta(minutes=5))
+        at = tx.publish("orders", {"n": 3}, key=1, deliver_at=due)
+        past = tx.publish("orders", {"n": 4}, key=1, deliver_at=datetime.now(UTC) - timedelta(1))
+        now = tx.publish("orders", {"n": 5}, key=1, deliver_after=0)
+    found = rows(engine)
+    assert found[later.message_id].status == "scheduled"
+    assert found[at.message_id].deliver_at == due
+    # Already due at publish: an ordinary pending message.
+    assert (found[past.message_id].status, found[past.message_id].deliver_at) == ("pending", None)
+    assert found[now.message_id].status == "pending"
+
+
+def test_bad_times_are_refused_before_anything_is_written(engine) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        tx.publish("orders", {"n": 0})
+        for bad in (
+            {"deliver_at": datetime.now() + timedelta(hours=1)},  # naive
+            {"deliver_after": -1},
+            {"deliver_after": 5, "deliver_at": datetime.now(UTC)},
+        ):
+            with pytest.raises(InvalidSchedule):
+                tx.publish("orders", {"n": 1}, **bad)
+            with pytest.raises(InvalidSchedule):
+                tx.publish_many([Message("orders", 1), Message("orders", 2, **bad)])
+    assert list(statuses(engine).items()) == [("pending", 1)]  # the transaction went on
+
+
+def promote_all(spec: OutboxTableSpec, url: str) -> int:
+    with psycopg.connect(outbox_conninfo(url), autocommit=True) as conn:
+        promotion = ScheduledPromotion(spec, RelayMetrics())
+        return promotion.promote(range(SHARD_COUNT), conn, None)
+
+
+def test_due_rows_take_new_seqs_in_due_order_and_the_rest_wait(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    later = datetime.now(UTC) + timedelta(hours=1)
+    with ob.transaction() as tx:
+        # Written in this order; due (below) in another, with two due at the same moment.
+        ids = [
+            r.message_id
+            for r in tx.publish_many(
+                [Message("orders", n, key="k", deliver_at=later) for n in range(6)]
+            )
+        ]
+        plain = tx.publish("orders", "plain", key="k").message_id
+    base = datetime.now(UTC) - timedelta(minutes=10)
+    due = {ids[0]: base + timedelta(seconds=3), ids[1]: base, ids[2]: base + timedelta(seconds=2)}
+    due[ids[3]] = base + timedelta(seconds=1)  # the same moment as ids[4]:
+    due[ids[4]] = base + timedelta(seconds=1)  # their seqs decide
+    with engine.begin() as conn:
+        for mid, at in due.items():
+            conn.execute(
+                sa.text("UPDATE outbox SET deliver_at = :at WHERE id = :id"), {"at": at, "id": mid}
+            )
+    ScheduledMessages(ob).cancel(ids[0])
+    assert promote_all(ob.spec, outbox_url) == 4
+    found = rows(engine)
+    promoted = sorted((found[m].seq, m) for m in due if m != ids[0])
+    assert [m for _, m in promoted] == [ids[1], ids[3], ids[4], ids[2]]
+    assert all(found[m].seq > found[plain].seq for m in due if m != ids[0])
+    assert found[ids[0]].status == "cancelled"
+    assert found[ids[5]].status == "scheduled"  # not due yet
+    assert promote_all(ob.spec, outbox_url) == 0
+
+
+def test_the_relay_sends_when_due_not_before_and_holds_back_nothing_meanwhile(  # type: ignore[no-untyped-def]
+    engine, outbox_url, bootstrap_servers, make_topic
+) -> None:
+    topic = make_topic("sched")
+    ob = Outbox(engine)
+    # A poll interval far above the bound asserted below: only waking for the due time can
+    # send the message in time.
+    config = relay_config(outbox_url, bootstrap_servers, poll_interval=30.0)
+    with running_relay(config) as relay:
+        wait_for(lambda: relay._owns_shards(), 30, "the relay to own its shards")
+        with ob.transaction() as tx:
+            first = tx.publish(topic, "first", key="k").message_id
+            scheduled = tx.publish(topic, "scheduled", key="k", deliver_after=2.0).message_id
+            after = tx.publish(topic, "after", key="k").message_id
+        written_at = datetime.now(UTC)
+        wait_for(lambda: statuses(engine).get("sent") == 2, 10, "the others to go at once")
+        assert rows(engine)[scheduled].status == "scheduled"
+        wait_for(lambda: statuses(engine) == {"sent": 3}, 15, "the scheduled message")
+    row = rows(engine)[scheduled]
+    late = (row.sent_at - row.deliver_at).total_seconds()
+    assert row.deliver_at >= written_at + timedelta(seconds=1.9)
+    assert 0 <= late < 3.0, late  # measured about 0.01-0.05 s on an idle machine
+    records = consume_messages(bootstrap_servers, topic, expect=3, timeout=30)
+    assert [message_id(r) for r in records] == [first, after, scheduled]
+    sent = records[2].timestamp()[1] / 1000
+    assert sent >= row.deliver_at.timestamp() - 0.001  # produced no earlier than its time
+
+
+def test_cancel_stops_it_and_says_when_there_was_nothing_to_cancel(engine) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    scheduled = ScheduledMessages(ob)
+    with ob.transaction() as tx:
+        waiting = tx.publish("orders", 1, deliver_after=3600, idempotency_key="once").message_id
+        plain = tx.publish("orders", 2).message_id
+    listed = scheduled.list()
+    assert [m.message_id for m in listed] == [waiting]
+    scheduled.cancel(waiting)
+    scheduled.cancel(waiting)  # again: nothing more to do, no error
+    assert rows(engine)[waiting].status == "cancelled"
+    with pytest.raises(NotScheduled) as refused:
+        scheduled.cancel(plain)
+    assert refused.value.status == "pending"
+    with pytest.raises(NotScheduled):
+        scheduled.cancel(uuid.uuid4())
+    # The idempotency key was given up: scheduling again writes a new message.
+    with ob.transaction() as tx:
+        again = tx.publish("orders", 1, deliver_after=3600, idempotency_key="once")
+    assert not again.duplicate and again.message_id != waiting
+    with ob.transaction() as tx:
+        ob_cancel = scheduled.cancel(again.message_id, bind=tx.session)
+    assert ob_cancel is None and rows(engine)[again.message_id].status == "cancelled"
+    assert scheduled.list() == []
+
+
+def test_an_idle_relay_sleeps_until_the_next_due_message(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        tx.publish("orders", 1, key="a", deliver_after=5.0)
+    promotion = ScheduledPromotion(ob.spec, RelayMetrics(), interval=0.1)
+    with psycopg.connect(outbox_conninfo(outbox_url), autocommit=True) as conn:
+        assert promotion.promote(range(SHARD_COUNT), conn, None, now=100.0) == 0
+        assert 4.0 < promotion.sleep_bound(30.0, now=100.0) <= 5.01
+        # A commit woke the relay right after the look: it may have scheduled a message due
+        # sooner, so the sleep ends at the next look allowed.
+        assert promotion.promote(range(SHARD_COUNT), conn, None, now=100.01) == 0
+        assert promotion.sleep_bound(30.0, now=100.01) == pytest.approx(0.09)
+        assert promotion.promote(range(SHARD_COUNT), conn, None, now=100.2) == 0
+        assert 4.0 < promotion.sleep_bound(30.0, now=100.2) <= 5.01
