@@ -10,14 +10,19 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 import sqlalchemy as sa
+from click.testing import CliRunner
 
-from outbox import Message, Outbox
+from outbox import ImmediateSender, Message, Outbox
+from outbox.cli import main
 from outbox.devstack.topics import consume_messages
 from outbox.errors import InvalidSchedule, NotScheduled
+from outbox.prepared import PreparedMessages
+from outbox.queries import Queries
 from outbox.relay.observability import RelayMetrics
 from outbox.relay.promotion import ScheduledPromotion
 from outbox.scheduled import ScheduledMessages
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from outbox.status import read_status
 from tests.conftest import outbox_conninfo
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
 
@@ -176,3 +181,86 @@ def test_an_idle_relay_sleeps_until_the_next_due_message(engine, outbox_url) -> 
         assert promotion.sleep_bound(30.0, now=100.01) == pytest.approx(0.09)
         assert promotion.promote(range(SHARD_COUNT), conn, None, now=100.2) == 0
         assert 4.0 < promotion.sleep_bound(30.0, now=100.2) <= 5.01
+
+
+def test_the_commands_list_cancel_and_exit_1_when_nothing_changed(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        first = tx.publish("orders", 1, key="k", deliver_after=600).message_id
+        second = tx.publish("orders", 2, key="k", deliver_after=1200).message_id
+        plain = tx.publish("orders", 3, key="k").message_id
+    url = ["--database-url", outbox_url]
+    listed = CliRunner().invoke(main, ["scheduled", "list", *url])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert [line.split()[0] for line in lines[:2]] == [str(first), str(second)]  # soonest first
+    assert lines[-1] == "2 scheduled message(s)"
+    cancelled = CliRunner().invoke(main, ["scheduled", "cancel", str(first), *url])
+    assert (cancelled.exit_code, cancelled.output.strip()) == (
+        0,
+        "cancelled 1 scheduled message(s)",
+    )
+    again = CliRunner().invoke(main, ["scheduled", "cancel", str(first), str(plain), *url])
+    assert again.exit_code == 1
+    assert f"{first}: not scheduled (cancelled)" in again.output
+    assert f"{plain}: not scheduled (pending)" in again.output
+    report = read_status(engine, Queries(ob.spec), exact=True)
+    (orders,) = report.topics
+    assert (orders.scheduled, orders.overdue, orders.cancelled) == (1, 0, 1)
+    assert orders.next_due_seconds is not None and 1000 < orders.next_due_seconds <= 1200
+    assert report.statuses["scheduled"].count == 1
+    with engine.begin() as conn:  # as if no relay ran for an hour
+        conn.execute(sa.text("UPDATE outbox SET deliver_at = now() - interval '1 hour'"))
+    status = CliRunner().invoke(main, ["status", *url])
+    assert "overdue scheduled: 1 " in status.output, status.output
+
+
+def test_the_immediate_sender_leaves_a_scheduled_message_to_the_relay(  # type: ignore[no-untyped-def]
+    engine, bootstrap_servers, make_topic
+) -> None:
+    topic = make_topic("sched-imm")
+    immediate = ImmediateSender(engine, {"bootstrap.servers": bootstrap_servers})
+    try:
+        ob = Outbox(engine, immediate=immediate)
+        with ob.transaction() as tx:
+            now = tx.publish(topic, "now", key="k").message_id
+            later = tx.publish(topic, "later", key="k", deliver_after=600).message_id
+        assert immediate.flush(30)
+    finally:
+        immediate.close(10)
+    found = rows(engine)
+    assert found[now].status == "sent"
+    assert (found[later].status, found[later].lease_owner) == ("scheduled", None)
+
+
+@pytest.mark.asyncio
+async def test_the_async_api_schedules_and_cancels(outbox_url, engine) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(outbox_url)
+    scheduled = ScheduledMessages(ob)
+    try:
+        async with ob.atransaction() as tx:
+            result = await tx.publish("orders", 1, deliver_at=datetime.now(UTC) + timedelta(1))
+            await scheduled.acancel(result.message_id, bind=tx.session)
+        with pytest.raises(NotScheduled):
+            await scheduled.acancel(uuid.uuid4())
+    finally:
+        await ob.async_engine.dispose()
+    assert rows(engine)[result.message_id].status == "cancelled"
+
+
+def test_a_prepared_message_committed_before_its_time_waits_scheduled(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    prepared = PreparedMessages(Outbox(engine))
+    early = prepared.prepare("orders", 1, key="k", deliver_after=3600)
+    late = prepared.prepare("orders", 2, key="k", deliver_after=3600)
+    with engine.begin() as conn:  # its time passed while its step ran
+        conn.execute(
+            sa.text("UPDATE outbox SET deliver_at = now() - interval '1 second' WHERE id = :id"),
+            {"id": late.message_id},
+        )
+    early.commit()
+    late.commit()
+    early.commit()  # already committed (and scheduled): nothing to do
+    found = rows(engine)
+    assert found[early.message_id].status == "scheduled"
+    assert found[late.message_id].status == "pending"
+    assert promote_all(Outbox(engine).spec, outbox_url) == 0
