@@ -583,11 +583,16 @@ SELECT NULL, NULL, NULL, CAST(extract(epoch FROM deliver_at - now()) AS float8)
 -- due_scheduled gives: deliver_at, then seq): it takes a new seq, so it joins its key's order
 -- now, behind every message of the key made pending before it, as a committed prepared
 -- message does (commit_prepared); created_at becomes the time it fell in line. A row
--- cancelled meanwhile is left alone.
+-- cancelled meanwhile is left alone, and so is one locked by a cancel still in progress (a
+-- service may cancel inside a long business transaction): the relay does not wait for it,
+-- it looks again at its next promotion.
 UPDATE {table}
    SET status = 'pending', seq = DEFAULT, created_at = now(), lease_owner = NULL,
        lease_until = NULL
- WHERE id = :id AND status = (SELECT 'scheduled');
+ WHERE id = (SELECT id
+               FROM {table}
+              WHERE id = :id AND status = (SELECT 'scheduled')
+                FOR UPDATE SKIP LOCKED);
 
 -- name: count_scheduled
 -- For the relay's gauge: scheduled rows, a count of the whole scheduled index (128 ms for a

@@ -4,6 +4,7 @@ of their time by an idle relay that wakes for them, cancelled before that."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -264,3 +265,23 @@ def test_a_prepared_message_committed_before_its_time_waits_scheduled(engine, ou
     assert found[early.message_id].status == "scheduled"
     assert found[late.message_id].status == "pending"
     assert promote_all(Outbox(engine).spec, outbox_url) == 0
+
+
+def test_the_relay_does_not_wait_for_a_cancel_in_progress(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        held = tx.publish("orders", 1, key="a", deliver_after=3600).message_id
+        free = tx.publish("orders", 2, key="b", deliver_after=3600).message_id
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox SET deliver_at = now() - interval '1 second'"))
+    scheduled = ScheduledMessages(ob)
+    with ob.transaction() as tx:  # a service cancels inside a business transaction still open
+        scheduled.cancel(held, bind=tx.session)
+        started = time.monotonic()
+        assert promote_all(ob.spec, outbox_url) == 1  # the other one, without waiting
+        assert time.monotonic() - started < 5
+        tx.session.rollback()  # the business step failed: the cancel with it
+    assert rows(engine)[free].status == "pending"
+    assert rows(engine)[held].status == "scheduled"
+    assert promote_all(ob.spec, outbox_url) == 1  # its turn at the next look
+    assert rows(engine)[held].status == "pending"
