@@ -236,10 +236,10 @@ def purge(
 ) -> None:
     """Delete sent rows older than --older-than, in short batches.
 
-    Prepared messages rolled back before the cut-off go too (they were never published);
-    prepared messages waiting for a verdict never do. Refuses a cut-off the nightly
-    reconciliation may still read (the previous UTC day, with its grace period) unless
-    --ignore-audit-window is given.
+    Prepared messages rolled back (scheduled ones cancelled) before the cut-off go too (they
+    were never published); messages waiting for a verdict or for their time never do.
+    Refuses a cut-off the nightly reconciliation may still read (the previous UTC day, with
+    its grace period) unless --ignore-audit-window is given.
     """
     from datetime import UTC
 
