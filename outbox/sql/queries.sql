@@ -313,7 +313,7 @@ SELECT id, seq, shard, topic, key, value, content_type, header_names, header_val
        idempotency_key, status, attempts, next_attempt_at, lease_owner, lease_until,
        error_kind, last_error, created_at, sent_at, kafka_partition, kafka_offset, generation,
        prepared_at, check_group, check_count, next_check_at, last_checked_at,
-       last_check_answer, last_check_error, resolved_at, resolved_by
+       last_check_answer, last_check_error, resolved_at, resolved_by, deliver_at
   FROM {table}
  WHERE id = :id;
 

@@ -285,3 +285,15 @@ def test_the_relay_does_not_wait_for_a_cancel_in_progress(engine, outbox_url) ->
     assert rows(engine)[held].status == "scheduled"
     assert promote_all(ob.spec, outbox_url) == 1  # its turn at the next look
     assert rows(engine)[held].status == "pending"
+
+
+def test_show_prints_the_due_time(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    due = datetime(2030, 1, 1, 9, 0, tzinfo=UTC)
+    with Outbox(engine).transaction() as tx:
+        message = tx.publish("orders", 1, deliver_at=due).message_id
+    shown = CliRunner().invoke(
+        main, ["scheduled", "show", str(message), "--database-url", outbox_url]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "status  scheduled" in shown.output
+    assert "deliver_at  2030-01-01 09:00:00+00:00" in shown.output
