@@ -22,7 +22,7 @@ from outbox.queries import Queries
 from outbox.relay.observability import RelayMetrics
 from outbox.relay.promotion import ScheduledPromotion
 from outbox.scheduled import ScheduledMessages
-from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, OutboxTableSpec
 from outbox.status import read_status
 from tests.conftest import outbox_conninfo
 from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
@@ -297,3 +297,28 @@ def test_show_prints_the_due_time(engine, outbox_url) -> None:  # type: ignore[n
     assert shown.exit_code == 0, shown.output
     assert "status  scheduled" in shown.output
     assert "deliver_at  2030-01-01 09:00:00+00:00" in shown.output
+
+
+def test_the_relay_gauges_count_scheduled_and_overdue_messages(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    with Outbox(engine).transaction() as tx:
+        for n in range(3):
+            tx.publish("orders", n, key=f"k{n}", deliver_after=3600)
+    with engine.begin() as conn:  # one of them overdue: no relay made it pending
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET deliver_at = now() - interval '1 minute'"
+                " WHERE seq = (SELECT min(seq) FROM outbox)"
+            )
+        )
+    metrics = RelayMetrics()
+    ScheduledPromotion(DEFAULT_SPEC, metrics).refresh_gauges(engine)
+    assert metrics.registry.get_sample_value("outbox_relay_scheduled") == 3
+    assert metrics.registry.get_sample_value("outbox_relay_scheduled_overdue") == 1
+    assert promote_all(DEFAULT_SPEC, outbox_url) == 1
+    promoted = RelayMetrics()
+    promotion = ScheduledPromotion(DEFAULT_SPEC, promoted)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox SET deliver_at = now() WHERE status = 'scheduled'"))
+    with psycopg.connect(outbox_conninfo(outbox_url), autocommit=True) as conn:
+        assert promotion.promote(range(SHARD_COUNT), conn, None) == 2
+    assert promoted.registry.get_sample_value("outbox_relay_promoted_total") == 2
