@@ -12,6 +12,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from outbox import ImmediateSender, Message, Outbox
 from outbox.cli import main
@@ -322,3 +323,33 @@ def test_the_relay_gauges_count_scheduled_and_overdue_messages(engine, outbox_ur
     with psycopg.connect(outbox_conninfo(outbox_url), autocommit=True) as conn:
         assert promotion.promote(range(SHARD_COUNT), conn, None) == 2
     assert promoted.registry.get_sample_value("outbox_relay_promoted_total") == 2
+
+
+def read_buffers(url: str) -> int:
+    """Shared buffers the relay's read of every shard touches (its session's settings)."""
+    sql = str(Queries(DEFAULT_SPEC)["read_batch"].compile(dialect=psycopg_dialect.dialect()))  # type: ignore[no-untyped-call]
+    params = {"shards": list(range(SHARD_COUNT)), "window": 100, "batch_size": 1000}
+    params |= {"owner_key": None, **DEFAULT_SPEC.owner_session_keys}
+    options = "-c plan_cache_mode=force_generic_plan -c jit=off -c enable_seqscan=off"
+    with psycopg.connect(outbox_conninfo(url), autocommit=True, options=options) as conn:
+        conn.execute("VACUUM ANALYZE outbox")
+        plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
+    assert plan is not None
+    top = plan[0][0]["Plan"]
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+def test_a_backlog_of_future_messages_costs_the_read_nothing(engine, outbox_url) -> None:  # type: ignore[no-untyped-def]
+    with Outbox(engine).transaction() as tx:
+        tx.publish_many([Message("orders", n, key=f"k{n}") for n in range(200)])
+    alone = read_buffers(outbox_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (id, shard, topic, key, value, status, deliver_at)"
+                " SELECT gen_random_uuid(), i % 16, 'orders', convert_to('f' || i, 'UTF8'),"
+                " '1', 'scheduled', now() + make_interval(secs => 3600 + i)"
+                " FROM generate_series(1, 100000) AS i"
+            )
+        )
+    assert read_buffers(outbox_url) == alone  # measured: the same buffers, to the block
