@@ -371,7 +371,7 @@ INSERT INTO {table} (id, shard, topic, key, value, content_type, header_names, h
 VALUES (:id, :shard, :topic, :key, :value, :content_type, CAST(:header_names AS text[]),
         CAST(:header_values AS bytea[]), :idempotency_key, 'prepared', now(), :check_group,
         now() + make_interval(secs => :check_after))
-ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id;
 
 -- name: find_idempotency_key

@@ -1,0 +1,42 @@
+"""The partitioned layout, for tables created with it (retention without DELETE).
+
+When the upgrade is asked for it (``outbox db upgrade --partitioned daily``, ``-x
+outbox_partitioned=hourly`` or ``OUTBOX_PARTITIONED``), the table is rebuilt partitioned by
+day or hour of its message ids, with a side table for the idempotency keys
+(:mod:`outbox.partition_layout`, docs/retention.md). The rows are copied under the table's
+exclusive lock (waiting at most ``outbox.migration_support.LOCK_TIMEOUT`` for it): meant for a
+new table or a small one. Otherwise this revision changes nothing.
+
+The downgrade rebuilds a partitioned table as a plain one (rows copied the same way).
+
+Revision ID: 0008_partitioned_layout
+Revises: 0007_check_failures
+Create Date: 2026-11-27
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+from outbox.migration_support import current_partitioning, current_spec, lock_outbox_table
+from outbox.partition_layout import check_interval, convert
+
+revision = "0008_partitioned_layout"
+down_revision = "0007_check_failures"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    interval = current_partitioning()
+    if interval is None:
+        return
+    spec = current_spec()
+    lock_outbox_table(spec)
+    convert(op.get_bind(), spec, partitioned=True, interval=check_interval(interval))
+
+
+def downgrade() -> None:
+    spec = current_spec()
+    lock_outbox_table(spec)
+    convert(op.get_bind(), spec, partitioned=False)
