@@ -7,7 +7,8 @@ day or hour of its message ids, with a side table for the idempotency keys
 exclusive lock (waiting at most ``outbox.migration_support.LOCK_TIMEOUT`` for it): meant for a
 new table or a small one. Otherwise this revision changes nothing.
 
-The downgrade rebuilds a partitioned table as a plain one (rows copied the same way).
+The downgrade rebuilds a partitioned table as a plain one (rows copied the same way). Both
+directions read the table, so neither prints SQL offline (``--sql``).
 
 Revision ID: 0008_partitioned_layout
 Revises: 0007_check_failures
@@ -16,8 +17,9 @@ Create Date: 2026-11-27
 
 from __future__ import annotations
 
-from alembic import op
+from alembic import context, op
 
+from outbox.errors import OutboxError
 from outbox.migration_support import current_partitioning, current_spec, lock_outbox_table
 from outbox.partition_layout import check_interval, convert
 
@@ -31,12 +33,16 @@ def upgrade() -> None:
     interval = current_partitioning()
     if interval is None:
         return
+    if context.is_offline_mode():
+        raise OutboxError("the partitioned layout is built from the table's rows: run it online")
     spec = current_spec()
     lock_outbox_table(spec)
     convert(op.get_bind(), spec, partitioned=True, interval=check_interval(interval))
 
 
 def downgrade() -> None:
+    if context.is_offline_mode():
+        return  # a plain table has nothing to undo; a partitioned one is rebuilt online only
     spec = current_spec()
     lock_outbox_table(spec)
     convert(op.get_bind(), spec, partitioned=False)
