@@ -259,3 +259,15 @@ def test_the_command_refuses_to_reach_into_the_audit_window(url: str) -> None:
     assert "dry run, nothing changed" in dry.output
     listed = runner.invoke(main, ["partitions", "list", "--database-url", url])
     assert listed.exit_code == 0 and "outbox_default" in listed.output
+
+
+def test_status_estimates_the_sent_rows_from_the_partitions_statistics(
+    url: str, engine: sa.Engine
+) -> None:
+    for n in range(300):
+        insert(engine, NOW, "sent" if n % 3 else "dead", sent=NOW)
+    with engine.begin() as conn:  # what autovacuum does: it analyzes partitions, not parents
+        conn.execute(sa.text(f"ANALYZE outbox_p{NOW:%Y%m%d}"))
+    shown = CliRunner().invoke(main, ["status", "--database-url", url])
+    assert shown.exit_code == 0, shown.output
+    assert "sent ~200" in shown.output and "dead ~100" in shown.output
