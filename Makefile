@@ -17,7 +17,7 @@ help:
 	@echo "make bench-write   write-path benchmark (BENCH_ARGS='--n 10000')"
 	@echo "make bench-relay   relay benchmark (BENCH_ARGS='--n 100000' for a quick run)"
 	@echo "make bench-reconcile   reconciliation benchmark (BENCH_ARGS='--sizes 100000,300000')"
-	@echo "make bench-table-health   outbox table and index sizes under steady load (BENCH_ARGS='--messages 300000')"
+	@echo "make bench-table-health   plain and partitioned outbox tables under steady load with retention running (BENCH_ARGS='--messages 300000')"
 	@echo "make bench-consume   inbox consumer benchmark (BENCH_ARGS='--n 20000' for a quick run)"
 	@echo "make chaos   a bounded fault run audited by the reconciliation (CHAOS_ARGS='--mode exactly-once')"
 

@@ -95,6 +95,11 @@ LAZY_COMMANDS = {
         "scheduled",
         "List scheduled messages; cancel those not yet due.",
     ),
+    "partitions": LazyCommand(
+        "outbox.partitions_cli",
+        "partitions",
+        "The partitioned layout: list partitions, create coming ones, drop old ones.",
+    ),
     "topics": LazyCommand(
         "outbox.topics_cli",
         "topics",
@@ -177,11 +182,21 @@ def db() -> None:
 @TABLE
 @click.option("--revision", default="head", show_default=True)
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
-def db_upgrade(database_url: str, schema: str, table: str, revision: str, sql: bool) -> None:
+@click.option(
+    "--partitioned",
+    type=click.Choice(["daily", "hourly"]),
+    help="Create the table partitioned by time (docs/retention.md).",
+)
+def db_upgrade(
+    database_url: str, schema: str, table: str, revision: str, sql: bool, partitioned: str | None
+) -> None:
     """Create the outbox table or bring it up to date."""
     from outbox import migrate
 
-    run_db_step(lambda: migrate.upgrade(database_url, table_spec(schema, table), revision, sql=sql))
+    spec = table_spec(schema, table)
+    run_db_step(
+        lambda: migrate.upgrade(database_url, spec, revision, sql=sql, partitioned=partitioned)
+    )
 
 
 @db.command("downgrade")
@@ -246,7 +261,7 @@ def purge(
     import sqlalchemy as sa
 
     from outbox.durations import parse_duration
-    from outbox.retention import purge_sent
+    from outbox.retention import audit_refusal, purge_sent
 
     try:
         age = parse_duration(older_than)
@@ -254,7 +269,7 @@ def purge(
         raise click.BadParameter(str(exc), param_hint="--older-than") from exc
     now = datetime.now(UTC)
     cutoff = now - age
-    too_recent = _purge_reaches_the_audit(now, cutoff)
+    too_recent = audit_refusal(now, cutoff)
     if too_recent and not (dry_run or ignore_audit_window):
         raise click.ClickException(too_recent)
     spec = table_spec(schema, table)
@@ -277,26 +292,6 @@ def purge(
             click.echo(f"a real run would be refused: {too_recent}")
     else:
         click.echo(f"deleted {count} {what}")
-
-
-def _purge_reaches_the_audit(now: datetime, cutoff: datetime) -> str | None:
-    """Why a purge up to ``cutoff`` could take rows the nightly audit still reads, or None."""
-    import math
-
-    from outbox.retention import AUDIT_GRACE, audit_horizon
-
-    horizon = audit_horizon(now)
-    if cutoff <= horizon:
-        return None
-    hours = math.ceil((now - horizon).total_seconds() / 3600)
-    grace = int(AUDIT_GRACE.total_seconds() // 60)
-    return (
-        f"refusing to purge up to {cutoff:%Y-%m-%d %H:%M} UTC: the nightly reconciliation "
-        f"still reads rows made since {horizon:%Y-%m-%d %H:%M} UTC (the previous UTC day, "
-        f"with {grace} minutes of grace) and would report their records as phantoms. "
-        f"Use --older-than {hours}h or more, or pass --ignore-audit-window if no audit "
-        "will read them"
-    )
 
 
 @main.command()

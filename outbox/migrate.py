@@ -20,7 +20,8 @@ from sqlalchemy.pool import NullPool
 from outbox.alembic_histories import revision_of as revision_of
 from outbox.alembic_histories import upgrade_and_report
 from outbox.errors import OutboxError
-from outbox.migration_support import alembic_config
+from outbox.migration_support import PARTITIONED_ATTRIBUTE, alembic_config
+from outbox.partition_layout import check_interval
 from outbox.schema import OutboxTableSpec
 
 # Every table with a ``version_num`` column is taken for an Alembic version table. One called
@@ -115,18 +116,24 @@ def upgrade(
     revision: str = "head",
     *,
     sql: bool = False,
+    partitioned: str | None = None,
 ) -> None:
     """Create or upgrade the outbox table (``sql=True`` prints the SQL instead).
+
+    ``partitioned`` (``"daily"`` or ``"hourly"``) gives a table that reaches revision
+    ``0010_partitioned_layout`` in this run the partitioned layout (docs/retention.md).
 
     Raises :class:`~outbox.errors.OutboxError`, changing nothing, when the table is managed
     by another Alembic history (or by none).
     """
+    config = alembic_config(database_url, spec)
+    if partitioned is not None:
+        config.attributes[PARTITIONED_ATTRIBUTE] = check_interval(partitioned)
     if sql:
-        command.upgrade(alembic_config(database_url, spec), revision, sql=True)
+        command.upgrade(config, revision, sql=True)
         return
     spec = spec or OutboxTableSpec()
     _refuse_unless_ours(database_url, spec)
-    config = alembic_config(database_url, spec)
     upgrade_and_report(config, database_url, spec, revision, spec.qualified_name)
 
 

@@ -27,6 +27,9 @@ from outbox.errors import ConfigError
 from outbox.schema import DEFAULT_SCHEMA, DEFAULT_TABLE, OutboxTableSpec, build_table
 
 SPEC_ATTRIBUTE = "outbox_spec"
+#: The partition interval (``daily`` or ``hourly``) when the table is to have the partitioned
+#: layout (docs/retention.md), set by ``outbox db upgrade --partitioned``.
+PARTITIONED_ATTRIBUTE = "outbox_partitioned"
 
 #: The outbox revisions as an Alembic package resource, for a service's ``version_locations``.
 VERSIONS_RESOURCE = "outbox.migrations:versions"
@@ -50,6 +53,19 @@ def current_spec(config: Config | None = None) -> OutboxTableSpec:
     schema = x_args.get("outbox_schema") or os.environ.get("OUTBOX_SCHEMA") or DEFAULT_SCHEMA
     table = x_args.get("outbox_table") or os.environ.get("OUTBOX_TABLE") or DEFAULT_TABLE
     return OutboxTableSpec(schema=schema, table=table)
+
+
+def current_partitioning(config: Config | None = None) -> str | None:
+    """The partition interval the table should be created with, or None for a plain table:
+    the Alembic config's attribute, ``-x outbox_partitioned=daily``, or
+    ``OUTBOX_PARTITIONED``."""
+    config = config or context.config
+    interval = (
+        config.attributes.get(PARTITIONED_ATTRIBUTE)
+        or context.get_x_argument(as_dictionary=True).get("outbox_partitioned")
+        or os.environ.get("OUTBOX_PARTITIONED")
+    )
+    return str(interval) if interval else None
 
 
 def current_url(config: Config | None = None) -> str:

@@ -9,6 +9,7 @@ otherwise.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -34,6 +35,23 @@ def audit_horizon(now: datetime) -> datetime:
     """
     today = datetime.combine(now.astimezone(UTC).date(), datetime.min.time(), tzinfo=UTC)
     return today - timedelta(days=1) - AUDIT_GRACE
+
+
+def audit_refusal(now: datetime, cutoff: datetime) -> str | None:
+    """Why removing rows up to ``cutoff`` could take rows the nightly audit still reads, or
+    None (what ``outbox purge`` and ``outbox partitions maintain`` refuse)."""
+    horizon = audit_horizon(now)
+    if cutoff <= horizon:
+        return None
+    hours = math.ceil((now - horizon).total_seconds() / 3600)
+    grace = int(AUDIT_GRACE.total_seconds() // 60)
+    return (
+        f"refusing to purge up to {cutoff:%Y-%m-%d %H:%M} UTC: the nightly reconciliation "
+        f"still reads rows made since {horizon:%Y-%m-%d %H:%M} UTC (the previous UTC day, "
+        f"with {grace} minutes of grace) and would report their records as phantoms. "
+        f"Use --older-than {hours}h or more, or pass --ignore-audit-window if no audit "
+        "will read them"
+    )
 
 
 def uuid7_floor(moment: datetime) -> uuid.UUID:

@@ -145,12 +145,15 @@ def database_url(postgres_server: PostgresServer) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def outbox_template(postgres_server: PostgresServer) -> str:
-    """A database migrated to head once per session; tests clone it."""
+    """A database migrated to head once per session; tests clone it. With
+    ``OUTBOX_TEST_PARTITIONED=daily`` (or ``hourly``) its table has the partitioned layout, so
+    that any test module runs against that layout."""
     from outbox import migrate
 
     name = "outbox_template"
     postgres_server.drop_database(name)
-    migrate.upgrade(postgres_server.create_database(name))
+    partitioned = os.environ.get("OUTBOX_TEST_PARTITIONED") or None
+    migrate.upgrade(postgres_server.create_database(name), partitioned=partitioned)
     return name
 
 

@@ -388,7 +388,7 @@ INSERT INTO {table} (id, shard, topic, key, value, content_type, header_names, h
 VALUES (:id, :shard, :topic, :key, :value, :content_type, CAST(:header_names AS text[]),
         CAST(:header_values AS bytea[]), :idempotency_key, 'prepared', now(), :check_group,
         now() + make_interval(secs => :check_after), CAST(:deliver_at AS timestamptz))
-ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id;
 
 -- name: find_idempotency_key
@@ -684,19 +684,25 @@ SELECT topic, count(*) AS scheduled,
 -- Rows per status as the planner estimates them, without reading the table: the table's size
 -- now (its pages, times the rows per page of the last ANALYZE or VACUUM) times each status's
 -- share in ANALYZE's sample. No rows before the table was first analyzed; a status too rare
--- to be in the sample (a few dead rows among millions) is missing.
+-- to be in the sample (a few dead rows among millions) is missing. A partitioned table sums
+-- its partitions' estimates (autovacuum analyzes partitions, never their parent).
 SELECT v.status,
-       round(c.reltuples / c.relpages
-             * (pg_relation_size(c.oid) / current_setting('block_size')::integer)
-             * v.share) AS estimate
+       round(sum(c.reltuples / c.relpages
+                 * (pg_relation_size(c.oid) / current_setting('block_size')::integer)
+                 * v.share)) AS estimate
   FROM pg_class AS c
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
  CROSS JOIN LATERAL (
        SELECT unnest(CAST(CAST(s.most_common_vals AS text) AS text[])) AS status,
               unnest(s.most_common_freqs) AS share
          FROM pg_stats AS s
-        WHERE s.schemaname = :schema AND s.tablename = :table_name
+        WHERE s.schemaname = n.nspname AND s.tablename = c.relname AND NOT s.inherited
           AND s.attname = 'status') AS v
- WHERE c.oid = to_regclass(:qualified_name) AND c.reltuples >= 0 AND c.relpages > 0;
+ WHERE c.oid IN (SELECT to_regclass(:qualified_name)
+                  UNION ALL
+                 SELECT relid FROM pg_partition_tree(to_regclass(:qualified_name)))
+   AND c.relkind = 'r' AND c.reltuples >= 0 AND c.relpages > 0
+ GROUP BY v.status;
 
 -- name: status_by_topic
 -- Exact counts per topic and status: one scan of the whole table (`outbox status --exact`).

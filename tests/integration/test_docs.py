@@ -74,6 +74,14 @@ SETUP = re.compile(r"setup\s+(?P<names>[\w\s-]+)$")
 SETUPS: dict[str, tuple[str, str]] = {
     # The service's engine.
     "engine": ("import sqlalchemy as sa\nengine = sa.create_engine(URL)\n", ""),
+    # The file's outbox table in the partitioned layout for the block (after `engine`), and
+    # plain again after it.
+    "partitioned": (
+        "from outbox.partition_layout import convert as _convert\n"
+        "from outbox.schema import DEFAULT_SPEC as _SPEC\n"
+        "with engine.begin() as _conn:\n    _convert(_conn, _SPEC, partitioned=True)\n",
+        "with engine.begin() as _conn:\n    _convert(_conn, _SPEC, partitioned=False)\n",
+    ),
     # The service's own ORM model: an `orders` table (without a unique id, so the examples'
     # `id=7` may be written more than once) and the names the examples use with it.
     "models": (
