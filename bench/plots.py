@@ -21,7 +21,9 @@ WRITE_THROUGHPUT = "write-throughput.png"
 #: The relay runs in the order a reader compares them: the limits first, then each mode.
 RELAY_BARS = (
     ("bare producer", "bare producer"),
-    ("Kafka Java producer", "Java producer"),
+    ("Kafka Java producer, steady", "Java producer, steady"),
+    ("Kafka Java producer, same count", "Java producer, same count"),
+    ("Kafka Java producer", "Java producer"),  # figures saved before the steady run
     ("bare PG read+mark", "bare PG read+mark"),
     ("relay at-least-once x1", "at-least-once x1"),
     ("relay at-least-once x3", "at-least-once x3"),

@@ -4,7 +4,10 @@ Side by side in one run, on one stack:
 
   producer    a bare confluent-kafka producer (idempotent, acks=all, the relay's settings)
               pushing N records of 256 bytes to the topic
-  java        Kafka's own Java producer (ProducerPerformance, same settings): the broker's limit
+  java        Kafka's own Java producer (ProducerPerformance, same settings), twice: N records
+              from the JVM's start ("same count", which includes the JVM's warm-up), and
+              sending for --java-seconds, measured after its first 5 s ("steady"): the
+              broker's limit
   pg-cycle    the relay's own read + mark-sent cycle (and read + delete) on N pending rows,
               with no Kafka: the database's limit
   relay       `outbox relay` processes sending N pending rows: 1 and 3 relays, at-least-once,
@@ -351,44 +354,100 @@ def bare_pg_cycle(engine: sa.Engine, conninfo: str, n: int, delete: bool) -> Run
     return Run(f"bare PG read+{'delete' if delete else 'mark'}", seconds, n / seconds)
 
 
-def java_producer(bootstrap: str, topic: str, n: int) -> Run:
+#: The Java producer's settings: the relay's (idempotent, acks=all, lz4).
+JAVA_PRODUCER_PROPS = (
+    "acks=all",
+    "enable.idempotence=true",
+    "compression.type=lz4",
+    "linger.ms=5",
+    "max.in.flight.requests.per.connection=5",
+)
+#: ProducerPerformance reports the records of each window of this many seconds.
+JAVA_WINDOW_SECONDS = 5
+JAVA_SAME_COUNT = "Kafka Java producer, same count"
+JAVA_STEADY = "Kafka Java producer, steady"
+
+
+def java_command(bootstrap: str, topic: str, records: int) -> list[str]:
     """Kafka's own ProducerPerformance with the relay's producer settings."""
     java = shutil.which("java")
     if java is None:
         raise RuntimeError("java is not on PATH")
     classpath = ":".join(str(jar) for jar in kafka_tools_jars())
+    return [
+        java,
+        "-Xmx512m",
+        "-cp",
+        classpath,
+        "org.apache.kafka.tools.ProducerPerformance",
+        "--topic",
+        topic,
+        "--num-records",
+        str(records),
+        "--record-size",
+        str(VALUE_BYTES),
+        "--throughput",
+        "-1",
+        "--producer-props",
+        f"bootstrap.servers={bootstrap}",
+        *JAVA_PRODUCER_PROPS,
+    ]
+
+
+def java_producer(bootstrap: str, topic: str, n: int) -> Run:
+    """As many records as a relay run sends, from the JVM's start: at a few hundred thousand
+    records this measures the JVM's warm-up (its JIT, the producer's buffers) as much as the
+    broker, so it is reported beside the steady rate, not used as the broker's limit."""
     result = subprocess.run(
-        [
-            java,
-            "-Xmx512m",
-            "-cp",
-            classpath,
-            "org.apache.kafka.tools.ProducerPerformance",
-            "--topic",
-            topic,
-            "--num-records",
-            str(n),
-            "--record-size",
-            str(VALUE_BYTES),
-            "--throughput",
-            "-1",
-            "--producer-props",
-            f"bootstrap.servers={bootstrap}",
-            "acks=all",
-            "enable.idempotence=true",
-            "compression.type=lz4",
-            "linger.ms=5",
-            "max.in.flight.requests.per.connection=5",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=900,
+        java_command(bootstrap, topic, n), capture_output=True, text=True, check=True, timeout=900
     )
     # The last line: "N records sent, R records/sec (...), ..."
     summary = [line for line in result.stdout.splitlines() if "records sent" in line][-1]
     rate = float(summary.split(",")[1].split()[0])
-    return Run("Kafka Java producer", n / rate, rate)
+    return Run(JAVA_SAME_COUNT, n / rate, rate)
+
+
+def java_producer_steady(bootstrap: str, topic: str, seconds: float) -> Run:
+    """The broker's limit: ProducerPerformance sending for ``seconds`` (its record count is
+    never reached; it is stopped), measured over its 5-second windows after the first, the
+    JVM's warm-up."""
+    process = subprocess.Popen(
+        java_command(bootstrap, topic, 10**10),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + seconds
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if time.monotonic() >= deadline:
+                break
+    finally:
+        process.terminate()
+        process.wait(30)
+    records, took = steady_windows(lines)
+    return Run(JAVA_STEADY, took, records / took)
+
+
+def steady_windows(lines: list[str]) -> tuple[int, float]:
+    """The records and seconds of ProducerPerformance's windows after its first (each line
+    "N records sent, R records/sec (M MB/sec), ..."): what it sent once warmed up."""
+    windows = []
+    for line in lines:
+        if "records sent" in line:
+            records = int(line.split()[0])
+            rate = float(line.split(",")[1].split()[0])
+            windows.append((records, records / rate if rate else float(JAVA_WINDOW_SECONDS)))
+    steady = windows[1:]
+    if not steady:
+        raise RuntimeError(
+            f"the Java producer reported {len(windows)} windows: give it more than "
+            f"{2 * JAVA_WINDOW_SECONDS} s (--java-seconds)"
+        )
+    return sum(count for count, _ in steady), sum(window for _, window in steady)
 
 
 def write_steadily(database_url: str, topic: str, rate: int, seconds: float, out: str) -> None:
@@ -611,6 +670,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         help="seconds at each latency case's rate before it is measured (not counted)",
     )
     parser.add_argument(
+        "--java-seconds",
+        type=float,
+        default=30.0,
+        help="how long the Java producer's steady run sends (its first 5 s are not counted)",
+    )
+    parser.add_argument(
         "--cluster",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -670,6 +735,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
         report(bare_producer(info.bootstrap_servers, topics["bare"], n))
         report(java_producer(info.bootstrap_servers, topics["java"], n))
+        report(java_producer_steady(info.bootstrap_servers, topics["java"], args.java_seconds))
         for delete in (False, True):
             load_pending(conninfo, topics["relay"], n)
             report(bare_pg_cycle(engine, conninfo, n, delete))
@@ -732,6 +798,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "msgs_per_s": {k: round(v) for k, v in rates.items()},
         "alo_x1_msgs_per_s": round(alo1),
         "ratio_relay_vs_min_baseline": round(alo1 / floor, 3),
+        "java_same_count_msgs_per_s": round(rates[JAVA_SAME_COUNT]),
+        "java_steady_msgs_per_s": round(rates[JAVA_STEADY]),
+        "java_same_count_over_steady": round(rates[JAVA_SAME_COUNT] / rates[JAVA_STEADY], 3),
+        "alo_x1_over_java_steady": round(alo1 / rates[JAVA_STEADY], 3),
         "eos_over_alo_x1": round(statistics.median(eos_over_alo), 3),
         "eos_over_alo_x1_pairs": [round(ratio, 3) for ratio in eos_over_alo],
         "x3_over_x1": {
@@ -780,6 +850,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(
         f"at-least-once x1: {alo1:,.0f} msgs/s (floor 25,000), "
         f"{figures['ratio_relay_vs_min_baseline']} of min(baselines) (floor 0.7)"
+    )
+    print(
+        f"Java producer: {rates[JAVA_STEADY]:,.0f} msgs/s steady (after its first "
+        f"{JAVA_WINDOW_SECONDS} s of {args.java_seconds:.0f} s), {rates[JAVA_SAME_COUNT]:,.0f} "
+        f"msgs/s over {n:,} records from its start ({figures['java_same_count_over_steady']} "
+        f"of steady); at-least-once x1 is {figures['alo_x1_over_java_steady']} of the steady rate"
     )
     print(
         f"exactly-once / at-least-once x1: {figures['eos_over_alo_x1']}, the middle of the "
