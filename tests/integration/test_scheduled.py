@@ -22,6 +22,7 @@ from outbox.prepared import PreparedMessages
 from outbox.queries import Queries
 from outbox.relay.observability import RelayMetrics
 from outbox.relay.promotion import ScheduledPromotion
+from outbox.relay.store import HELD_REACH
 from outbox.scheduled import ScheduledMessages
 from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, OutboxTableSpec
 from outbox.status import read_status
@@ -329,6 +330,7 @@ def read_buffers(url: str) -> int:
     """Shared buffers the relay's read of every shard touches (its session's settings)."""
     sql = str(Queries(DEFAULT_SPEC)["read_batch"].compile(dialect=psycopg_dialect.dialect()))  # type: ignore[no-untyped-call]
     params = {"shards": list(range(SHARD_COUNT)), "window": 100, "batch_size": 1000}
+    params |= {"held_reach": HELD_REACH}
     params |= {"owner_key": None, **DEFAULT_SPEC.owner_session_keys}
     options = "-c plan_cache_mode=force_generic_plan -c jit=off -c enable_seqscan=off"
     with psycopg.connect(outbox_conninfo(url), autocommit=True, options=options) as conn:
