@@ -121,7 +121,7 @@ def upgrade(
     """Create or upgrade the outbox table (``sql=True`` prints the SQL instead).
 
     ``partitioned`` (``"daily"`` or ``"hourly"``) gives a table that reaches revision
-    ``0010_partitioned_layout`` in this run the partitioned layout (docs/retention.md).
+    ``0009_partitioned_layout`` in this run the partitioned layout (docs/retention.md).
 
     Raises :class:`~outbox.errors.OutboxError`, changing nothing, when the table is managed
     by another Alembic history (or by none).

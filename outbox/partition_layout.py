@@ -234,7 +234,7 @@ def convert(
     conn.execute(
         sa.text(f'ALTER TABLE {old} RENAME CONSTRAINT "{spec.table}_pkey" TO "{before}_pkey"')
     )
-    for index in ("pending_idx", "retry_idx", "lease_idx", "prepared_idx", "scheduled_idx"):
+    for index in ("pending_idx", "retry_idx", "lease_idx", "prepared_idx"):
         conn.execute(
             sa.text(
                 f"ALTER INDEX {names.qualified(f'{spec.table}_{index}')} "
@@ -312,8 +312,6 @@ def _indexes(conn: sa.Connection, spec: OutboxTableSpec, names: Names, partition
         "WHERE status = 'pending' AND lease_until IS NOT NULL",
         f'CREATE INDEX "{name}_prepared_idx" ON {table} (check_group, next_check_at) '
         "WHERE status = 'prepared'",
-        f'CREATE INDEX "{name}_scheduled_idx" ON {table} (shard, deliver_at, seq) '
-        "WHERE status = 'scheduled'",
     ]
     if partitioned:
         # Not unique (the side table is): finds a key's message, a probe per partition.

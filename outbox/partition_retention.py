@@ -50,7 +50,7 @@ T = TypeVar("T")
 # Done: what a purge may delete (the same conditions as the purge_sent query).
 _DONE = (
     "((status = 'sent' AND sent_at < :cutoff) "
-    "OR (status IN ('rolled_back', 'cancelled') AND resolved_at < :cutoff))"
+    "OR (status = 'rolled_back' AND resolved_at < :cutoff))"
 )
 
 

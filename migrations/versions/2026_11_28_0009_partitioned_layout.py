@@ -10,8 +10,8 @@ new table or a small one. Otherwise this revision changes nothing.
 The downgrade rebuilds a partitioned table as a plain one (rows copied the same way). Both
 directions read the table, so neither prints SQL offline (``--sql``).
 
-Revision ID: 0010_partitioned_layout
-Revises: 0009_scheduled_messages
+Revision ID: 0009_partitioned_layout
+Revises: 0008_lease_index
 Create Date: 2026-11-27
 """
 
@@ -23,8 +23,8 @@ from outbox.errors import OutboxError
 from outbox.migration_support import current_partitioning, current_spec, lock_outbox_table
 from outbox.partition_layout import check_interval, convert
 
-revision = "0010_partitioned_layout"
-down_revision = "0009_scheduled_messages"
+revision = "0009_partitioned_layout"
+down_revision = "0008_lease_index"
 branch_labels = None
 depends_on = None
 
