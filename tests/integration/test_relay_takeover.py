@@ -27,9 +27,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 #: Worst commit-to-sent delay allowed after shards moved. Taking shards over one after
 #: another inside the loop delayed messages by 8-13 s here (exactly-once); in the background,
-#: side by side, the moved shards wait for the next rebalance (1 s) and their take-over
-#: (0.6-0.8 s measured after a kill -9), the others for nothing. Measured: at most 1.9 s.
-#: The bound leaves room for a busy shared machine and stays far below the old figure.
+#: side by side, the moved shards wait for the next rebalance (0.5 s) and their take-over
+#: (0.5-1.4 s measured after a kill -9), the others for nothing. Measured on a busy machine:
+#: at most 2.2 s exactly-once, 0.5 s at-least-once. The bound leaves room for a busier
+#: machine and stays far below the old figure.
 WORST_DELAY_SECONDS = 4.0
 
 LOG = Path("/tmp/rt_relays.log")
