@@ -189,3 +189,15 @@ def looping(relay: Relay) -> Iterator[Relay]:
         relay.stop()
         thread.join(60)
         assert not thread.is_alive()
+
+
+def owns_all_and_sleeps(relay: Relay) -> bool:
+    """The relay owns every shard and sleeps: a commit or a timer must wake it."""
+    from outbox.schema import SHARD_COUNT
+
+    return (
+        relay._ownership is not None
+        and len(relay._ownership.owned) == SHARD_COUNT
+        and relay._wake is not None
+        and relay._wake.asleep
+    )

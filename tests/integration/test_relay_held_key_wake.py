@@ -17,7 +17,7 @@ from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
 from outbox.sending import Ack
 from tests.integration.test_relay_loop import StubPublisher, config, wait_for
 from tests.integration.test_relay_wakeups import BOUND, POLL, in_seconds, insert_row
-from tests.relay_helpers import looping
+from tests.relay_helpers import looping, owns_all_and_sleeps
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +29,7 @@ def test_a_row_held_back_behind_an_immediately_sent_row_goes_when_that_row_is_ma
     relay = Relay(config(outbox_url, poll_interval=POLL, rebalance_interval=POLL), publisher=stub)
     owner = "immediate-test"
     with looping(relay):
-        wait_for(
-            lambda: (
-                relay._ownership is not None
-                and len(relay._ownership.owned) == SHARD_COUNT
-                and relay._wake is not None
-                and relay._wake.asleep
-            )
-        )
+        wait_for(lambda: owns_all_and_sleeps(relay))
         # The first row of the key is in flight with an immediate sender (leased to it); the
         # second was written without one (or given back by the sender's order check): the
         # relay is woken by its insert, reads it, holds it back behind the leased row, and
@@ -74,14 +67,7 @@ def test_a_held_keys_backlog_does_not_hide_another_keys_row(engine, outbox_url, 
         k for k in (f"f{n}" for n in range(1000)) if shard_of(k.encode(), uuid.uuid4()) == shard
     )
     with looping(relay):
-        wait_for(
-            lambda: (
-                relay._ownership is not None
-                and len(relay._ownership.owned) == SHARD_COUNT
-                and relay._wake is not None
-                and relay._wake.asleep
-            )
-        )
+        wait_for(lambda: owns_all_and_sleeps(relay))
         # The head of the key is with an immediate sender; its later rows, given back to the
         # relay (the sender's order check), wait behind it: more of them than a read's window.
         insert_row(engine, held_key, lease_owner=owner, lease_until=in_seconds(3600))

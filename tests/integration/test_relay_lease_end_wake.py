@@ -13,10 +13,10 @@ import sqlalchemy as sa
 from outbox.engines import sender_engine
 from outbox.relay.daemon import Relay
 from outbox.relay.store import PendingRow, RelayStore
-from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from outbox.schema import OutboxTableSpec
 from tests.integration.test_relay_loop import StubPublisher, config, wait_for
 from tests.integration.test_relay_wakeups import BOUND, POLL, in_seconds, insert_row
-from tests.relay_helpers import looping
+from tests.relay_helpers import looping, owns_all_and_sleeps
 
 pytestmark = pytest.mark.integration
 
@@ -54,14 +54,7 @@ def test_a_lease_ending_just_after_a_read_lets_its_key_go_long_before_the_poll_i
     )
     try:
         with looping(relay):
-            wait_for(
-                lambda: (
-                    relay._ownership is not None
-                    and len(relay._ownership.owned) == SHARD_COUNT
-                    and relay._wake is not None
-                    and relay._wake.asleep
-                )
-            )
+            wait_for(lambda: owns_all_and_sleeps(relay))
             held = insert_row(
                 engine, "k", lease_owner="immediate-gone", lease_until=in_seconds(3600)
             )

@@ -19,11 +19,11 @@ from outbox.immediate import ImmediateSender, SendOutcome
 from outbox.prepared.store import PreparedStore
 from outbox.relay.daemon import Relay
 from outbox.rows import OutboxRows
-from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
+from outbox.schema import DEFAULT_SPEC, shard_of
 from outbox.sending import Ack
 from outbox.spark_jobs.repair import requeue_missing
 from tests.integration.test_relay_loop import StubPublisher, config, wait_for
-from tests.relay_helpers import looping
+from tests.relay_helpers import looping, owns_all_and_sleeps
 
 pytestmark = pytest.mark.integration
 
@@ -159,14 +159,7 @@ def test_a_row_made_sendable_wakes_a_sleeping_relay(engine, outbox_url, path: Pa
     stub = StubPublisher(latency=0.002)
     relay = Relay(config(outbox_url, poll_interval=POLL, rebalance_interval=POLL), publisher=stub)
     with looping(relay):
-        wait_for(
-            lambda: (
-                relay._ownership is not None
-                and len(relay._ownership.owned) == SHARD_COUNT
-                and relay._wake is not None
-                and relay._wake.asleep
-            )
-        )
+        wait_for(lambda: owns_all_and_sleeps(relay))
         act = path(engine, outbox_url)
         time.sleep(0.3)  # the relay looked at the rows written above, and sleeps again
         assert relay._wake.asleep and not stub.acked
