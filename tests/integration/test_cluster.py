@@ -123,6 +123,10 @@ def test_two_nodes_down_stall_writes_and_lose_none(
         *relay_args(mode),
         "--delivery-timeout-ms",
         "5000",
+        # Each failed attempt backs off up to twice as long as the last; on a loaded machine the
+        # nodes take a minute to come back, and an uncapped backoff would then outlast the wait.
+        "--backoff-max",
+        "5",
         log=tmp_path / "relay.log",
     )
     ids = publish_orders(engine, topic, 500, keys=30)
@@ -140,10 +144,34 @@ def test_two_nodes_down_stall_writes_and_lose_none(
             node.launch()
         for node in down:
             node.wait_ready()
-    wait_for(lambda: statuses(engine) == {"sent": 1000}, 180, "every row sent after the stall")
+    back = time.monotonic()
+    try:
+        wait_for(lambda: statuses(engine) == {"sent": 1000}, 180, "every row sent after the stall")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stall_report(engine, tmp_path / 'relay.log')}") from None
+    print(f"{mode}: every row sent {time.monotonic() - back:.1f}s after the nodes were back")
     assert relay.poll() is None, "the relay must ride the stall out, not exit"
     assert stop_process(relay, signal.SIGTERM) == 0
     assert_each_delivered(cluster, topic, ids + more, mode)
+
+
+def stall_report(engine: sa.Engine, log: Path) -> str:
+    """What a stalled run left: the unsent rows per shard and state, and the relay's last words."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT shard, status, attempts, lease_until IS NOT NULL, count(*),"
+                " min(next_attempt_at) FROM outbox WHERE status <> 'sent'"
+                " GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3"
+            )
+        ).all()
+    lines = [line for line in log.read_text().splitlines() if "rdkafka" not in line]
+    return "\n".join(
+        ["unsent (shard, status, attempts, leased, rows, next attempt):"]
+        + [repr(tuple(row)) for row in rows]
+        + ["relay log, last lines:"]
+        + lines[-60:]
+    )
 
 
 def test_the_coordinators_found_are_the_ones_kafka_names(all_nodes_up: KafkaCluster) -> None:
