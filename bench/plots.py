@@ -16,6 +16,7 @@ from typing import Any
 
 RELAY_THROUGHPUT = "relay-throughput.png"
 RELAY_LATENCY = "relay-latency.png"
+LATENCY_FLOOR_MS = 0.1
 WRITE_THROUGHPUT = "write-throughput.png"
 
 #: The relay runs in the order a reader compares them: the limits first, then each mode.
@@ -92,14 +93,16 @@ def relay_plots(figures: Mapping[str, Any], out_dir: Path) -> list[Path]:
         for percentile in ("p50", "p99"):
             ax.plot(
                 xs,
-                [by_rate[str(x)][percentile] for x in xs],
+                # Append times are whole milliseconds, so a sub-millisecond figure can read
+                # 0 or below: drawn at the axis' floor instead of left off the log scale.
+                [max(LATENCY_FLOOR_MS, by_rate[str(x)][percentile]) for x in xs],
                 style,
                 label=f"{label} {percentile}",
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("messages per second")
-    ax.set_ylabel("milliseconds")
+    ax.set_ylabel(f"milliseconds (values under {LATENCY_FLOOR_MS} drawn at it)")
     ax.set_title("Latency percentiles against the rate")
     ax.legend(fontsize=8)
     fig.tight_layout()
