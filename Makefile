@@ -50,7 +50,7 @@ typecheck: $(INSTALLED)
 # assert wall-clock bounds and run afterwards, alone (exit code 5: PYTEST_ARGS chose none).
 TEST_WORKERS ?= 4
 pytest: $(INSTALLED)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=20 $(PYTEST_ARGS)
 	$(BIN)/pytest -m serial $(PYTEST_ARGS) || test $$? -eq 5
 
 bench-write: setup
