@@ -21,54 +21,65 @@ import functools
 import gc
 import logging
 import queue
-import secrets
 import signal
-import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
 
 import psycopg
-import sqlalchemy as sa
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient
 from sqlalchemy import exc as sa_exc
 
-from outbox.engines import sender_engine
-from outbox.relay.config import RelayConfig, masked_kafka_config
-from outbox.relay.observability import HealthState, RelayMetrics, mask_secrets, serve
-from outbox.relay.ownership import ShardOwnership
+from outbox.relay.config import masked_kafka_config
+from outbox.relay.observability import mask_secrets, serve
 from outbox.relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, classify
 from outbox.relay.producers import (
-    KAFKA_LOG,
-    TRANSACTION_MARGIN_MS,
-    AtLeastOncePublisher,
-    BatchPublisher,
-    ExactlyOncePublisher,
     InFlight,
 )
-from outbox.relay.progress import ensure_progress_topic
-from outbox.relay.quiet import QuietShards
-from outbox.relay.recording import OutcomeRecorder
+from outbox.relay.sessions import RelaySessions
+from outbox.relay.state import MARKERS, Ended, RelayState
 from outbox.relay.store import (
-    MARK_LOCK_TIMEOUT_MS,
     Failure,
     HeldRow,
     PendingRow,
-    RelayStore,
     shard_window,
 )
-from outbox.relay.takeover import TakeOvers
 from outbox.relay.tracing import start_batch_span
-from outbox.relay.wakeup import WakeUp
 from outbox.sending import Ack, order_gaps
 
+#: The tunables of the loop, importable from here as they always were (each is defined in the
+#: module of the mechanism it tunes: patch it there).
+__all__ = [
+    "FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE",
+    "FAILED_TAKE_OVERS_FORGOTTEN_SECONDS",
+    "GAUGE_INTERVAL",
+    "GC_THRESHOLDS",
+    "HELD_RELOOK_SECONDS",
+    "KAFKA_PROBE_TIMEOUT",
+    "LONGEST_STEP_ASIDE_SECONDS",
+    "LOST_SHARD_HOLD_OFF",
+    "MARKERS",
+    "MARK_RETRY_SECONDS",
+    "MAX_ERROR_PAUSE",
+    "NOBODY_SERVING_GRACE",
+    "READ_GROUPS",
+    "RECENT_ACK_SECONDS",
+    "RECENT_FAILURE_SECONDS",
+    "RECORDING_POLL",
+    "SERVING_REFRESH_SECONDS",
+    "STEP_ASIDE_SECONDS",
+    "UNANSWERED_SECONDS",
+    "UNREACHABLE_BEFORE_STEPPING_ASIDE",
+    "WAIT_SLICE",
+    "Relay",
+    "tune_garbage_collector",
+]
+
 log = logging.getLogger("outbox.relay")
+
 
 #: Seconds between refreshes of the oldest-pending gauge.
 GAUGE_INTERVAL = 5.0
@@ -117,8 +128,6 @@ RECORDING_POLL = 0.002
 #: others are on their way to Kafka or being marked. Measured on 16 shards (bench.relay_throughput,
 #: one relay): four groups send 15-25% more than two, eight about as many as four.
 READ_GROUPS = 4
-#: Sessions that mark batches sent, side by side (four measured as fast as two).
-MARKERS = 2
 #: Seconds between tries of a mark whose rows another transaction holds locked (a try waits
 #: for no lock): the rows are marked this long at most after the lock goes.
 MARK_RETRY_SECONDS = 0.5
@@ -141,104 +150,8 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-@dataclass(eq=False)
-class _Ended:
-    """Batches that ended together, and what to record of them."""
-
-    flights: Sequence[InFlight]
-    acked_at: datetime
-    acks: list[Ack] = field(default_factory=list)
-    failures: list[Failure] = field(default_factory=list)
-    lost_shards: list[int] = field(default_factory=list)
-    gaps: list[uuid.UUID] = field(default_factory=list)
-    #: Rows another transaction held locked at the last try of the mark (None: not tried).
-    held: list[HeldRow] | None = None
-    #: A batch with failures whose recording waits for other transactions' row locks: what
-    #: is left to record (None: not tried yet), and the shards of the rows held (the others
-    #: go on).
-    unrecorded: tuple[list[Ack], list[Failure]] | None = None
-    held_shards: set[int] | None = None
-
-
-class Relay:
+class Relay(RelaySessions, RelayState):
     """One relay instance. ``run()`` blocks until :meth:`stop` (or a signal) and returns 0."""
-
-    def __init__(
-        self,
-        config: RelayConfig,
-        metrics: RelayMetrics | None = None,
-        *,
-        store: RelayStore | None = None,
-        publisher: BatchPublisher | None = None,
-    ) -> None:
-        """``store`` and ``publisher`` default to the real ones made from ``config``; tests
-        pass their own (a publisher standing in for Kafka, say)."""
-        self.config = config
-        self.owner = f"relay-{uuid.uuid4()}"
-        # Not the hot path (that is the owner session): a stale pooled connection after a
-        # database restart is replaced instead of failing a take-over or the gauge.
-        self.engine = sender_engine(config.database_url, durable=False)
-        self.store = store or RelayStore(
-            self.engine, config.spec, self.owner, config.delete_on_send
-        )
-        self.metrics = metrics or RelayMetrics()
-        # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
-        # be resumed until its transaction times out, without the loop turning.
-        self.health = HealthState(
-            stale_after=max(
-                30.0,
-                5 * config.poll_interval,
-                (config.delivery_timeout_ms + TRANSACTION_MARGIN_MS) / 1000 + 30,
-            ),
-            wedge_after=config.wedge_timeout,
-        )
-        self._stop = threading.Event()
-        self._stop_requested_at = 0.0
-        self._conn: psycopg.Connection | None = None
-        #: The sessions batches are read and marked on, beside the owner session (``_conn``):
-        #: a read waits for no mark, and marks run side by side. Their statements touch nothing
-        #: once the owner session is gone, named by the key of a lock it takes when it
-        #: connects (``_owner_key``; see the owner_alive query).
-        self._reader: psycopg.Connection | None = None
-        self._markers: list[psycopg.Connection] = []
-        #: The marking sessions not in use: each mark takes one for its statement.
-        self._free_markers: queue.SimpleQueue[psycopg.Connection] = queue.SimpleQueue()
-        self._owner_key = 0
-        self._ownership: ShardOwnership | None = None
-        self._wake: WakeUp | None = None
-        self._publisher: BatchPublisher | None = publisher
-        #: The rows of the batches in flight (by ``id.int``: a UUID's own hash is a Python
-        #: call, and there are several lookups per message); the shards each batch holds,
-        #: and when it began.
-        self._rows: dict[int, PendingRow] = {}
-        self._busy_shards: dict[InFlight, tuple[set[int], float, Callable[[], None]]] = {}
-        #: Batches that ended, their outcome being recorded (they keep their shards busy).
-        self._recorder: OutcomeRecorder[_Ended] = OutcomeRecorder(workers=MARKERS)
-        #: Shards gained and being taken over: owned, not read until it ended.
-        self._take_overs = TakeOvers()
-        #: Which group of the owned shards the next read starts with.
-        self._group = 0
-        #: The last read that found rows took as many as it may, in all or of one shard (a
-        #: backlog): the next reads one group of shards.
-        self._behind = False
-        #: Shards a look found empty, and as of which snapshot.
-        self._quiet = QuietShards()
-        self._next_rebalance = 0.0
-        self._next_gauge = 0.0
-        self._failed_take_overs = 0
-        self._last_failed_take_over = float("-inf")
-        self._last_ack = float("-inf")
-        #: When this relay last showed that it reaches Kafka (an ack, a take-over, a probe).
-        self._last_reached = float("-inf")
-        self._nobody_serving_since: float | None = None
-        self._probed_at = float("-inf")
-        #: Since when the probe before taking shards has kept failing (None: it has not).
-        self._unreachable_since: float | None = None
-        #: Steps aside in a row, and when this relay may join again after the last one.
-        self.step_asides = 0
-        self._rejoin_at = 0.0
-        self.batches = 0
-        self.metrics_server_port: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -479,7 +392,7 @@ class Relay:
         flights = [flight for flight in flights if flight in self._busy_shards]
         if not flights:
             return False
-        ended = _Ended(flights, datetime.now(UTC))
+        ended = Ended(flights, datetime.now(UTC))
         for flight in flights:
             result = flight.result
             ended.acks.extend(result.acks)
@@ -513,7 +426,7 @@ class Relay:
         return True
 
     def _mark(
-        self, free: queue.SimpleQueue[psycopg.Connection], ended: _Ended, owner_key: int
+        self, free: queue.SimpleQueue[psycopg.Connection], ended: Ended, owner_key: int
     ) -> float | None:
         """Mark ``ended``'s acknowledgements sent on a free marking session (run by a
         recorder's worker: there are as many workers as sessions, so one is always free).
@@ -534,7 +447,7 @@ class Relay:
         return MARK_RETRY_SECONDS if held else None
 
     def _record_failures(
-        self, free: queue.SimpleQueue[psycopg.Connection], ended: _Ended, owner_key: int
+        self, free: queue.SimpleQueue[psycopg.Connection], ended: Ended, owner_key: int
     ) -> float | None:
         """Record ``ended``'s failures and acknowledgements on a free marking session (run by
         a recorder's worker), waiting for no row lock. Returns None once every row is
@@ -573,7 +486,7 @@ class Relay:
         return MARK_RETRY_SECONDS
 
     def _try_mark(
-        self, ended: _Ended, session: psycopg.Connection, owner_key: int
+        self, ended: Ended, session: psycopg.Connection, owner_key: int
     ) -> tuple[int | None, list[HeldRow]]:
         """One try of ``_mark``: the id of the transaction that marked, and the rows left."""
         if ended.held is None:
@@ -621,7 +534,7 @@ class Relay:
                 self._busy_shards[flight][0].intersection_update(held)
         return finished
 
-    def _finish(self, ended: _Ended) -> None:
+    def _finish(self, ended: Ended) -> None:
         """A batch's outcome is recorded: its shards are idle again."""
         assert self._publisher is not None and self._ownership is not None
         now = time.monotonic()
@@ -761,141 +674,6 @@ class Relay:
         ):
             return HELD_RELOOK_SECONDS
         return timeout
-
-    def _connect(self) -> None:
-        # Kafka first: a publisher that could not be made (broker unreachable) is retried on
-        # the next round even when the database connection is already up.
-        if self._publisher is None:
-            self._publisher = self._make_publisher()
-        if self._connected():
-            return
-        if self._sessions():
-            # Broken under a statement whose error the loop has not seen yet (a mark being
-            # recorded in the background): let go of what the old session held first.
-            self._lost_database(psycopg.OperationalError("the relay's session was closed"))
-        opened: list[psycopg.Connection] = []
-        try:
-            opened.append(self._open_session(self.owner))
-            key = self._take_session_lock(opened[0])
-            for name in ("read", *["mark"] * MARKERS):
-                opened.append(
-                    self._open_session(
-                        f"{self.owner}/{name}", marking=name == "mark", reading=name == "read"
-                    )
-                )
-                self._check_sees_owner(opened[-1], key)
-        except BaseException:
-            for session in opened:
-                session.close()
-            raise
-        self._conn, self._reader, *self._markers = opened
-        self._owner_key = key
-        self._free_markers = queue.SimpleQueue()
-        for marker in self._markers:
-            self._free_markers.put(marker)
-        self._conn.execute(f'LISTEN "{self.config.spec.notify_channel}"')
-        self._ownership = ShardOwnership(self._conn, self.config.spec, uuid.uuid4().int % 2**31)
-        self._wake = WakeUp(self._conn, self.config.spec)
-        self.health.database_ok = True
-        self._next_rebalance = 0.0
-        log.info("connected; listening on %s", self.config.spec.notify_channel)
-
-    def _take_session_lock(self, conn: psycopg.Connection) -> int:
-        """Lock a random key of the session lock space on the owner session: the key names it
-        to the reads and marks of the other sessions (see the owner_alive query)."""
-        space = self.config.spec.lock_space("session")
-        while True:
-            key = secrets.randbelow(2**31)
-            row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (space, key)).fetchone()
-            if row is not None and row[0]:
-                return key
-
-    def _check_sees_owner(self, session: psycopg.Connection, key: int) -> None:
-        """A session that cannot see the owner session's lock (another server behind the
-        same address, say) would read and mark nothing, for ever: fail the connect instead."""
-        if not self.store.owner_alive(session, key):
-            raise psycopg.OperationalError(
-                "a relay session does not see its owner session's lock: are they on the same"
-                " server and database?"
-            )
-
-    def _sessions(self) -> list[psycopg.Connection]:
-        sessions = [self._conn, self._reader, *self._markers]
-        return [session for session in sessions if session is not None]
-
-    def _connected(self) -> bool:
-        sessions = self._sessions()
-        return len(sessions) == 2 + MARKERS and not any(s.closed for s in sessions)
-
-    def _open_session(
-        self, name: str, marking: bool = False, reading: bool = False
-    ) -> psycopg.Connection:
-        url = sa.make_url(self.config.database_url)
-        # Marks join the table to the batch's arrays: hash joins only (see
-        # outbox.engines.hash_joins_only). Measured: statistics taken while few rows were
-        # pending, and the pending index full of rows marked since the last vacuum, gave a
-        # nested loop comparing every row with every id, 0.4-0.5 s per mark at 10,000 msgs/s.
-        joins = " -c enable_nestloop=off" if marking else ""
-        locks = f" -c lock_timeout={MARK_LOCK_TIMEOUT_MS}" if marking else ""
-        # The reading session runs the batch read alone, planned once for any parameters:
-        # its plan (a walk of each shard's pending index) is the same for every batch, and
-        # planning it again took a read's backend 0.7 of its 1 ms when the relay keeps up
-        # (a read every few milliseconds). Other statements are planned for their own
-        # parameters: a generic plan of a mark guesses its arrays' sizes wrong (see
-        # outbox.engines.sender_engine).
-        plans = "force_generic_plan" if reading else "force_custom_plan"
-        return psycopg.connect(
-            host=url.host or "localhost",
-            port=url.port or 5432,
-            user=url.username,
-            password=url.password,
-            dbname=url.database,
-            autocommit=True,
-            connect_timeout=10,
-            keepalives=1,
-            keepalives_idle=5,
-            keepalives_interval=2,
-            keepalives_count=3,
-            application_name=name[:63],
-            # No sequential scans: right after a TRUNCATE, or before autovacuum analyzes a
-            # table that grew fast, the planner takes the table for a small one and scans all
-            # of it for each mark (hundreds of milliseconds on a busy table; every statement of
-            # these sessions has an index to use).
-            # Marks of sent rows: see RelayConfig.marks_wait_for_flush (failures always wait).
-            # Set either way: a database or role default must not decide it.
-            # The server, too, should notice a vanished relay quickly: drop the owner
-            # session's locks, and not keep the other sessions' backends for hours.
-            options=f"-c plan_cache_mode={plans} -c jit=off -c enable_seqscan=off"
-            + joins
-            + locks
-            + " -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3"
-            " -c synchronous_commit=" + ("on" if self.config.marks_wait_for_flush else "off"),
-        )
-
-    def _make_publisher(self) -> BatchPublisher:
-        if not self.config.exactly_once:
-            return AtLeastOncePublisher(
-                self.config.kafka, self.config.delivery_timeout_ms, self._shutdown_overdue
-            )
-        settings: dict[str, Any] = {
-            k: v
-            for k, v in self.config.kafka.items()
-            if not k.startswith(("linger", "compression"))
-        }
-        settings["logger"] = KAFKA_LOG
-        admin = AdminClient(settings)
-        try:
-            ensure_progress_topic(admin, self.config.progress_topic_name)
-        finally:
-            admin.poll(0)  # hands its log lines over
-        return ExactlyOncePublisher(
-            self.config.kafka,
-            transactional_id_prefix=self.config.transactional_prefix,
-            progress_topic=self.config.progress_topic_name,
-            owner=self.owner,
-            delivery_timeout_ms=self.config.delivery_timeout_ms,
-            give_up=self._shutdown_overdue,
-        )
 
     def _maybe_rebalance(self) -> None:
         now = time.monotonic()
@@ -1109,33 +887,6 @@ class Relay:
         self._last_reached = now
         if now - self._last_failed_take_over > RECENT_FAILURE_SECONDS:
             self._ownership.mark_serving()
-
-    def _lost_database(self, error: Exception) -> None:
-        log.error("database unreachable: %s", mask_secrets(str(error).splitlines()[0]))
-        self.health.database_ok = False
-        if self._publisher is not None and self._busy_shards:
-            # The shards' locks went with the connection: another relay may take them over and
-            # send the same rows. Stop sending what is still unacknowledged; the rows of the
-            # batches in flight stay pending, to be read again by whoever owns them next.
-            self._publisher.stop_sending()
-            self._publisher.wait(0)
-        self._recorder.abandon()  # no statement may run on the session when it is closed
-        self._take_overs.ended(wait_for_all=True)  # their shards are let go below
-        self._busy_shards.clear()
-        self._rows.clear()
-        self._quiet.forget()
-        if self._ownership is not None:
-            lost = self._ownership.forget()
-            if lost and self._publisher is not None:
-                self._publisher.let_go(lost)
-        if self._wake is not None:
-            self._wake.forget()
-        for session in self._sessions():
-            session.close()
-        self._conn = self._reader = None
-        self._markers = []
-        self._free_markers = queue.SimpleQueue()
-        self.metrics.owned_shards.set(0)
 
     def _shutdown(self) -> None:
         released: list[int] = []
