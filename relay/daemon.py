@@ -39,7 +39,23 @@ from outbox.relay.policy import ATTEMPTS_EXHAUSTED, RETRIABLE, UNDECODABLE, clas
 from outbox.relay.producers import (
     InFlight,
 )
+from outbox.relay.rebalancing import GAUGE_INTERVAL, Rebalancing
+from outbox.relay.serving import (
+    FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE,
+    FAILED_TAKE_OVERS_FORGOTTEN_SECONDS,
+    KAFKA_PROBE_TIMEOUT,
+    LONGEST_STEP_ASIDE_SECONDS,
+    NOBODY_SERVING_GRACE,
+    RECENT_ACK_SECONDS,
+    RECENT_FAILURE_SECONDS,
+    SERVING_REFRESH_SECONDS,
+    STEP_ASIDE_SECONDS,
+    UNANSWERED_SECONDS,
+    UNREACHABLE_BEFORE_STEPPING_ASIDE,
+    Serving,
+)
 from outbox.relay.sessions import RelaySessions
+from outbox.relay.sleeping import HELD_RELOOK_SECONDS, Sleeping
 from outbox.relay.state import MARKERS, Ended, RelayState
 from outbox.relay.store import (
     Failure,
@@ -80,47 +96,12 @@ __all__ = [
 
 log = logging.getLogger("outbox.relay")
 
-
-#: Seconds between refreshes of the oldest-pending gauge.
-GAUGE_INTERVAL = 5.0
 #: Longest pause after the database or Kafka failed, before trying again.
 MAX_ERROR_PAUSE = 10.0
-#: Seconds a broker has to answer the metadata request that shows Kafka is in reach.
-KAFKA_PROBE_TIMEOUT = 5.0
-#: A relay whose batch was acknowledged this many seconds ago or less is in Kafka's reach:
-#: it takes shards (a dead relay's, say) without probing first.
-RECENT_ACK_SECONDS = 2.0
 #: Seconds before a relay takes back a shard whose producer could not go on.
 LOST_SHARD_HOLD_OFF = 5.0
-#: Take-overs that fail in a row before a relay tries to step aside (leave the members), so
-#: that healthy relays take its share instead of the shards waiting for it to recover.
-FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE = 2
-#: Seconds out of the members the first time; doubled at each step aside in a row, up to
-#: the longest. A take-over that works resets both counts.
-STEP_ASIDE_SECONDS = 10.0
-LONGEST_STEP_ASIDE_SECONDS = 160.0
-#: An exactly-once member that has not shown for this long that it reaches Kafka (an
-#: acknowledged batch, a take-over, a probe) asks a broker at its next rebalance, when idle:
-#: whether it serves must stay true while it idles.
-SERVING_REFRESH_SECONDS = 5.0
-#: Batches in flight this long with nothing acknowledged: the relay does not serve.
-UNANSWERED_SECONDS = 15.0
-#: A failed take-over this recent keeps an idle relay's probe from making it serve again;
-#: one older than the longest is forgotten when the next one fails.
-RECENT_FAILURE_SECONDS = 15.0
-FAILED_TAKE_OVERS_FORGOTTEN_SECONDS = 300.0
-#: Seconds a relay that stepped aside waits, when members are left but none serves, before
-#: it joins again (a blip that turned one batch back is no reason to come back).
-NOBODY_SERVING_GRACE = 5.0
-#: Seconds a member's probe must keep failing, while it lacks shards of its share, before it
-#: steps aside like a relay whose take-overs fail: it takes none while Kafka is out of its
-#: reach, and as a member it keeps the others from taking them.
-UNREACHABLE_BEFORE_STEPPING_ASIDE = 10.0
 #: Longest wait for a batch in flight before the loop looks at its stop flag and clocks again.
 WAIT_SLICE = 0.2
-#: Longest sleep of an idle relay while an immediate sender holds rows of its shards: the
-#: sender's mark wakes nobody, and the held keys' later rows may go once it lands.
-HELD_RELOOK_SECONDS = 0.05
 #: The wait for an outcome being recorded while batches are in flight: Kafka's reports
 #: are served at least this often meanwhile.
 RECORDING_POLL = 0.002
@@ -150,7 +131,7 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-class Relay(RelaySessions, RelayState):
+class Relay(RelaySessions, Rebalancing, Serving, Sleeping, RelayState):
     """One relay instance. ``run()`` blocks until :meth:`stop` (or a signal) and returns 0."""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -637,92 +618,6 @@ class Relay(RelaySessions, RelayState):
                     extra={"message_id": str(failure.id), "topic": topic},
                 )
 
-    def _give_up_watch(self) -> None:
-        """A relay that cannot publish must not watch for the others (they would only poll)."""
-        if self._wake is None or self._conn is None or self._conn.closed:
-            return
-        try:
-            self._wake.away()
-        except psycopg.Error as error:
-            # Closed with the connection, the locks cannot outlive what this relay knows.
-            self._lost_database(error)
-
-    def _not_serving(self) -> None:
-        """Kafka failed this relay: no other relay steps aside on its account."""
-        if self._ownership is None or self._conn is None or self._conn.closed:
-            return
-        try:
-            self._ownership.mark_failing()
-        except psycopg.Error as error:
-            self._lost_database(error)
-
-    def _owns_shards(self) -> bool:
-        return self._ownership is not None and bool(self._ownership.owned)
-
-    def _sleep_timeout(self) -> float:
-        """How long an idle relay may sleep: until the poll interval or the next rebalance."""
-        return min(self.config.poll_interval, max(0.0, self._next_rebalance - time.monotonic()))
-
-    def _idle_timeout(self) -> float:
-        """How long an idle relay that owns shards may sleep: while an immediate sender holds
-        rows of them, a short while only. Its mark, an UPDATE, wakes nobody, and the later
-        rows of the held keys (given back, or written without immediate send) may go then."""
-        timeout = self._sleep_timeout()
-        assert self._ownership is not None and self._reader is not None
-        if timeout > HELD_RELOOK_SECONDS and self.store.leases_held(
-            sorted(self._ownership.owned), self._reader
-        ):
-            return HELD_RELOOK_SECONDS
-        return timeout
-
-    def _maybe_rebalance(self) -> None:
-        now = time.monotonic()
-        if now < self._next_rebalance:
-            return
-        assert self._ownership is not None and self._publisher is not None
-        self._next_rebalance = now + self.config.rebalance_interval
-        # Marks run on sessions of their own, and the shards let go below are drained first
-        # (_drain): what is recorded by now is finished, nothing is waited for.
-        self._collect_recordings(block=False)
-        self._publisher.serve_events()
-        self._finish_take_overs()
-        if not self._ownership.joined and self._stays_aside(now):
-            return  # stepped aside: the others serve its share meanwhile
-        if not self._ownership.joined:
-            # A relay that cannot publish must not count as a member: each member lowers the
-            # others' share, and the shards they let go would wait for it.
-            self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
-            self.health.kafka_ok = True
-            self._last_reached = time.monotonic()
-            self._ownership.join()
-            self.health.stepped_aside = False
-        self._refresh_serving(now)
-        # A shard changes hands only with no batch of it in flight: the batches in flight
-        # finish first when shards are to be let go (gained shards have none).
-        gained, lost = self._ownership.rebalance(
-            can_serve=self._kafka_reachable,
-            before_letting_go=functools.partial(self._drain, wait_for_held=False),
-            keep=self._held_shards,
-        )
-        if self._wake is not None:
-            self._wake.alone = self._ownership.member_count <= 1
-        if lost:
-            self._publisher.let_go(lost)
-            log.info("released shards %s", lost)
-        if gained:
-            self._take_over(gained)
-        if (
-            self._unreachable_since is not None
-            and self._unreachable_since > self._last_reached  # nothing got through since
-            and now - self._unreachable_since >= UNREACHABLE_BEFORE_STEPPING_ASIDE
-        ):
-            self._unreachable_since = None
-            self._try_stepping_aside("Kafka stays out of its reach")
-        self.metrics.owned_shards.set(len(self._ownership.owned))
-        if now >= self._next_gauge:
-            self._next_gauge = now + GAUGE_INTERVAL
-            self.metrics.oldest_pending.set(self.store.oldest_pending_age())
-
     def _oldest_unfinished(self) -> float | None:
         """When the oldest batch (in flight or being marked) or take-over still running
         began: one that never ends wedges its shards while the others go on."""
@@ -735,158 +630,6 @@ class Relay(RelaySessions, RelayState):
         """When the oldest mark being recorded or take-over still running began."""
         started = (self._recorder.oldest_submitted(), self._take_overs.oldest_start())
         return min((began for began in started if began is not None), default=None)
-
-    def _kafka_reachable(self) -> bool:
-        """Probe Kafka before taking shards: a relay out of its reach takes none."""
-        assert self._publisher is not None
-        if time.monotonic() - self._last_ack <= RECENT_ACK_SECONDS:
-            return True  # a batch just got through: no probe to delay the take-over
-        try:
-            self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
-        except KafkaException as error:
-            log.warning("Kafka out of reach (%s); taking no shards", error.args[0])
-            self.health.kafka_ok = False
-            self._ownership.mark_failing()  # type: ignore[union-attr]
-            if self._unreachable_since is None:
-                self._unreachable_since = time.monotonic()
-            return False
-        self._unreachable_since = None
-        self.health.kafka_ok = True
-        self._last_reached = time.monotonic()
-        return True
-
-    def _take_over(self, shards: list[int]) -> None:
-        """Start taking ``shards`` over in the background (see :mod:`outbox.relay.takeover`):
-        fence their earlier owner, mark sent what its last committed transactions held."""
-        publisher, store = self._publisher, self.store
-        assert publisher is not None
-
-        def take_over() -> tuple[int, int]:
-            recovered = publisher.take_over(shards)
-            return store.mark_committed(recovered), store.break_leases(shards)
-
-        log.info("taking over shards %s", shards)
-        self._take_overs.start(shards, take_over)
-
-    def _finish_take_overs(self, wait_for_all: bool = False) -> None:
-        """Put the shards of the take-overs that ended to work, or give them back."""
-        assert self._publisher is not None and self._ownership is not None
-        for take_over in self._take_overs.ended(wait_for_all):
-            shards = list(take_over.shards)
-            error = take_over.error()
-            if error is None and set(shards) <= self._ownership.owned:
-                marked, broken = take_over.future.result()
-                self._failed_take_overs = self.step_asides = 0
-                self._rejoin_at = 0.0
-                self._last_reached = time.monotonic()
-                self._ownership.mark_serving()
-                log.info(
-                    "took over shards %s (%d rows marked sent from committed progress, "
-                    "%d leases taken back)",
-                    shards,
-                    marked,
-                    broken,
-                )
-                continue
-            # Owning a shard that was not taken over properly would stall it: give the shards
-            # back, so that a later rebalance (here or in another relay) tries again.
-            self._publisher.let_go(shards)
-            self._ownership.release(shards)
-            if error is None:
-                continue  # let go meanwhile (a step aside)
-            if not isinstance(error, KafkaException | TimeoutError):
-                raise error  # the database: the loop reconnects
-            # TimeoutError: Kafka did not answer in time (progress reads).
-            log.error("taking over shards %s failed: %s", shards, mask_secrets(str(error)))
-            self.health.kafka_ok = False
-            if wait_for_all:
-                # Draining before shards change hands: no stepping aside in the middle of it.
-                self._ownership.mark_failing()
-            else:
-                self._take_over_failed()
-
-    def _take_over_failed(self) -> None:
-        """Count a take-over that Kafka failed; after a few in a row, step aside if another
-        member serves (ShardOwnership.step_aside): this relay's path to Kafka, not Kafka, may
-        be what is broken, and its share would otherwise wait for it."""
-        assert self._ownership is not None and self._publisher is not None
-        self._ownership.mark_failing()
-        now = time.monotonic()
-        if now - self._last_failed_take_over > FAILED_TAKE_OVERS_FORGOTTEN_SECONDS:
-            self._failed_take_overs = 0
-        self._last_failed_take_over = now
-        self._failed_take_overs += 1
-        if self._failed_take_overs >= FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE:
-            self._try_stepping_aside("shard take-overs keep failing")
-
-    def _try_stepping_aside(self, why: str) -> None:
-        """Step aside if another member serves; else stay and keep trying here."""
-        assert self._ownership is not None and self._publisher is not None
-        if self._ownership.others_serving() == 0:
-            return
-        self._drain(wait_for_held=False)  # nothing of a shard may be in flight when it goes
-        if self._held_shards():
-            return  # an outcome waits for a row lock: stay until it is recorded
-        released = self._ownership.step_aside()
-        if released is None:
-            return  # nobody else serves: keep trying here
-        self._publisher.let_go(released)
-        pause = min(LONGEST_STEP_ASIDE_SECONDS, STEP_ASIDE_SECONDS * 2**self.step_asides)
-        self.step_asides += 1
-        # Back in, one more failed take-over sends it aside again: each return costs the
-        # healthy relays a hand-over and leaves its share unsent while the take-over fails.
-        self._failed_take_overs = FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE - 1
-        self._nobody_serving_since = None
-        self._rejoin_at = time.monotonic() + pause
-        self.health.stepped_aside = True
-        self.health.batch_done(progressed=True)  # owning nothing, it has nothing to be stuck on
-        self.metrics.owned_shards.set(0)
-        log.warning(
-            "%s: stepping aside for up to %.0fs (released shards %s) so that the other relays "
-            "take them",
-            why,
-            pause,
-            released,
-        )
-
-    def _stays_aside(self, now: float) -> bool:
-        """A relay that stepped aside stays out until its pause ends, unless its share has
-        nobody to send it: no member left (at once), or none serving for a few seconds."""
-        assert self._ownership is not None
-        if now >= self._rejoin_at:
-            return False
-        if self._ownership.others_serving() > 0:
-            self._nobody_serving_since = None
-            return True
-        if self._ownership.other_members() == 0:
-            return False
-        if self._nobody_serving_since is None:
-            self._nobody_serving_since = now
-        return now - self._nobody_serving_since < NOBODY_SERVING_GRACE
-
-    def _refresh_serving(self, now: float) -> None:
-        """Keep the serving lock true when nothing has said for a while whether this relay
-        reaches Kafka: batches in flight that Kafka does not answer mean it does not; an
-        idle relay asks a broker."""
-        assert self._ownership is not None and self._publisher is not None
-        if not self.config.exactly_once:
-            return  # its take-overs ask nothing of Kafka: it never steps aside
-        if self._busy_shards:
-            oldest = min(began for _, began, _ in self._busy_shards.values())
-            if now - max(oldest, self._last_ack) > UNANSWERED_SECONDS:
-                self._ownership.mark_failing()
-            return
-        if now - max(self._last_reached, self._probed_at) <= SERVING_REFRESH_SECONDS:
-            return
-        self._probed_at = now
-        try:
-            self._publisher.check_reachable(KAFKA_PROBE_TIMEOUT)
-        except KafkaException:
-            self._ownership.mark_failing()
-            return
-        self._last_reached = now
-        if now - self._last_failed_take_over > RECENT_FAILURE_SECONDS:
-            self._ownership.mark_serving()
 
     def _shutdown(self) -> None:
         released: list[int] = []
