@@ -908,10 +908,10 @@ def test_a_relay_that_stepped_aside_after_its_batches_came_back_is_not_reported_
     """A's batches came back unsent (lost producers) before its take-overs failed and it
     stepped aside: nothing resets stuck_since while it owns nothing, so /healthz says 'stuck'
     and a supervisor restarts it (losing its step-aside pause and count)."""
-    from outbox.relay import daemon, serving
+    from outbox.relay import marking, serving
 
     monkeypatch.setattr(serving, "STEP_ASIDE_SECONDS", 30.0)
-    monkeypatch.setattr(daemon, "LOST_SHARD_HOLD_OFF", 0.3)
+    monkeypatch.setattr(marking, "LOST_SHARD_HOLD_OFF", 0.3)
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
     b = Relay(eos_config(outbox_url), publisher=b_stub)
     a = Relay(eos_config(outbox_url), publisher=a_stub)
