@@ -3,10 +3,10 @@
 Invariant: a shard changes hands only with no batch of it in flight or being recorded. Before
 shards are let go the loop drains (every batch in flight ends and is recorded), and shards
 whose outcome still waits for another transaction's row lock are kept (``keep``). A gained
-shard is owned (locked) at once but read only once its take-over ended: its earlier owner
-fenced, the rows its last committed transactions held marked sent (exactly-once), the
-immediate sender's leases on it taken back (:mod:`outbox.relay.takeover`). A take-over that
-failed gives its shards back, for a later rebalance to try again.
+shard is owned (locked) at once but read only once its take-over ended: exactly-once, its
+earlier owner fenced and the rows its last committed transactions held marked sent; in either
+mode, the immediate sender's leases on it taken back (:mod:`outbox.relay.takeover`). A
+take-over that failed gives its shards back, for a later rebalance to try again.
 
 Assumes: :mod:`outbox.relay.ownership` holds the locks on the owner session and settles who
 owns what; :mod:`outbox.relay.serving` says whether Kafka is in reach before any shard is taken
