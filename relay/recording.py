@@ -12,9 +12,10 @@ A mark may come back unfinished (rows another transaction holds locked): ``recor
 returns the seconds after which to run it again, and its batch stays being recorded (its shards
 busy) until it is, aging from its first submission, whatever it tries meanwhile.
 
-Only single autocommit statements are recorded here. Outcomes with failures (a transaction on
-the owner session) are recorded by the loop itself, after it waited for what is being
-recorded (:meth:`OutcomeRecorder.collect` with ``block=True``).
+Outcomes with failures are recorded here too, each in one transaction on a marking session.
+Only rows that cannot be turned into a record are recorded by the loop itself (a transaction
+on the owner session), after it waited for what is being recorded
+(:meth:`OutcomeRecorder.collect` with ``block=True``).
 """
 
 from __future__ import annotations

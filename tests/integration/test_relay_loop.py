@@ -691,9 +691,9 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
 ) -> None:
     """Without stepping aside, the failing relay keeps its share of the shards (it locks them
     again at each rebalance) and their messages wait for it for good."""
-    from outbox.relay import daemon
+    from outbox.relay import serving
 
-    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 1.5)
+    monkeypatch.setattr(serving, "STEP_ASIDE_SECONDS", 1.5)
     healthy_stub, failing_stub = StubPublisher(), FailingTakeOvers()
     healthy = Relay(eos_config(outbox_url), publisher=healthy_stub)
     failing = Relay(eos_config(outbox_url), publisher=failing_stub)
@@ -703,7 +703,7 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
         wait_for(lambda: serves_all(healthy))
         with looping(failing):
             wait_for(lambda: failing.health.stepped_aside)
-            assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
+            assert failing_stub.failures == serving.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE
             publish(engine, 400, keys=100)  # every shard gets some
             wait_for(lambda: statuses(engine) == {"sent": 400})
             assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
@@ -713,7 +713,7 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
             )
             # Back after its pause, one failed take-over sends it out again, twice as long.
             wait_for(lambda: failing.step_asides == 2, 20)
-            assert failing_stub.failures == daemon.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE + 1
+            assert failing_stub.failures == serving.FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE + 1
             # Its return made the healthy relay give it a share for a moment; it takes it back.
             wait_for(lambda: owns_all(healthy), 5)
             publish(engine, 100, keys=100)
@@ -778,9 +778,9 @@ def test_a_relay_that_stepped_aside_comes_back_when_the_one_it_left_its_share_to
 ) -> None:
     """A steps aside for B; then B stops serving. A, healthy again, must not wait out its
     pause (30 s here) while its share has nobody who can send it."""
-    from outbox.relay import daemon
+    from outbox.relay import serving
 
-    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 30.0)
+    monkeypatch.setattr(serving, "STEP_ASIDE_SECONDS", 30.0)
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher(fail_first=2)
 
     def break_b() -> None:  # as A fails for the second time, before B takes A's share back
@@ -888,9 +888,9 @@ def test_a_relay_that_stepped_aside_comes_back_at_once_when_no_member_is_left(  
 ) -> None:
     """Its pause is long, but the relay that served its share is gone: waiting out the pause
     would leave every shard unowned."""
-    from outbox.relay import daemon
+    from outbox.relay import serving
 
-    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 60.0)
+    monkeypatch.setattr(serving, "STEP_ASIDE_SECONDS", 60.0)
     failing_stub = FailingTakeOvers()
     failing = Relay(eos_config(outbox_url), publisher=failing_stub)
     with looping(failing):
@@ -908,10 +908,10 @@ def test_a_relay_that_stepped_aside_after_its_batches_came_back_is_not_reported_
     """A's batches came back unsent (lost producers) before its take-overs failed and it
     stepped aside: nothing resets stuck_since while it owns nothing, so /healthz says 'stuck'
     and a supervisor restarts it (losing its step-aside pause and count)."""
-    from outbox.relay import daemon
+    from outbox.relay import marking, serving
 
-    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 30.0)
-    monkeypatch.setattr(daemon, "LOST_SHARD_HOLD_OFF", 0.3)
+    monkeypatch.setattr(serving, "STEP_ASIDE_SECONDS", 30.0)
+    monkeypatch.setattr(marking, "LOST_SHARD_HOLD_OFF", 0.3)
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher()
     b = Relay(eos_config(outbox_url), publisher=b_stub)
     a = Relay(eos_config(outbox_url), publisher=a_stub)
@@ -937,9 +937,9 @@ def test_a_relay_back_early_from_stepping_aside_stays_in_after_a_reconnect(  # t
     take-over works. A later database reconnect must not put it back aside: its pause ends
     with the take-over that worked, or it would stay out (not joined, owning nothing) while
     /readyz says ready."""
-    from outbox.relay import daemon
+    from outbox.relay import serving
 
-    monkeypatch.setattr(daemon, "STEP_ASIDE_SECONDS", 60.0)
+    monkeypatch.setattr(serving, "STEP_ASIDE_SECONDS", 60.0)
     b_stub, a_stub = BreakablePublisher(), BreakablePublisher(fail_first=2)
     with a_steps_aside_for_b(outbox_url, b_stub, a_stub) as (a, b):
         b_stub.unreachable = True  # B stops serving: A comes back after the grace
@@ -962,9 +962,9 @@ def test_one_failed_take_over_a_while_ago_does_not_keep_an_idle_relay_from_servi
     """B fails one take-over (C died during a blip), then A joins and B's share shrinks back:
     B takes nothing over again. Idle, its probe must make it serve once the failure is old,
     or A, whose take-overs all fail, never steps aside and its share waits unsent."""
-    from outbox.relay import daemon
+    from outbox.relay import serving
 
-    monkeypatch.setattr(daemon, "RECENT_FAILURE_SECONDS", 3.0)
+    monkeypatch.setattr(serving, "RECENT_FAILURE_SECONDS", 3.0)
     b_stub, c_stub, a_stub = BreakablePublisher(), StubPublisher(), BreakablePublisher()
     a_stub.fail = True
     b = Relay(eos_config(outbox_url), publisher=b_stub)

@@ -355,11 +355,11 @@ class RelayLoopModel(RuleBasedStateMachine):
 def test_the_relay_loop_keeps_its_guarantees(outbox_url, engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from collections import Counter
 
-    from outbox.relay import daemon
+    from outbox.relay import marking
     from tests.conftest import outbox_conninfo
 
     # A lost shard is taken back after this (5 s for real): runs end sooner.
-    monkeypatch.setattr(daemon, "LOST_SHARD_HOLD_OFF", 0.2)
+    monkeypatch.setattr(marking, "LOST_SHARD_HOLD_OFF", 0.2)
     figures: Counter[str] = Counter()
     RelayLoopModel.url = outbox_url
     RelayLoopModel.conninfo = outbox_conninfo(outbox_url)

@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 from outbox.chaos.proxy import FaultProxy
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.topics import consume_messages
-from outbox.relay import daemon, producers
+from outbox.relay import marking, producers
 from outbox.relay.config import EXACTLY_ONCE, RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.schema import SHARD_COUNT
@@ -41,7 +41,7 @@ def test_a_relay_whose_path_to_kafka_breaks_hands_its_shards_to_one_that_can_pub
     """Without stepping aside, the broken relay locks its share again at every rebalance,
     fails to take it over, and the messages of half the shards wait for its path to heal."""
     monkeypatch.setattr(producers, "Producer", QuickInitProducer)
-    monkeypatch.setattr(daemon, "LOST_SHARD_HOLD_OFF", 0.5)
+    monkeypatch.setattr(marking, "LOST_SHARD_HOLD_OFF", 0.5)
     topic = make_topic("step-aside", partitions=3)
     prefix = f"step-aside-{uuid.uuid4().hex[:6]}"
 
