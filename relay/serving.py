@@ -150,7 +150,9 @@ class Serving(RelayState):
         idle relay asks a broker."""
         assert self._ownership is not None and self._publisher is not None
         if not self.config.exactly_once:
-            return  # its take-overs ask nothing of Kafka: it never steps aside
+            # Its take-overs ask nothing of Kafka, so unanswered batches do not count here;
+            # a Kafka check that keeps failing still makes it step aside (rebalancing).
+            return
         if self._busy_shards:
             oldest = min(began for _, began, _ in self._busy_shards.values())
             if now - max(oldest, self._last_ack) > UNANSWERED_SECONDS:
