@@ -416,7 +416,7 @@ class ChaosRun:
             deadline = time.monotonic() + DRAIN_TIMEOUT
             while time.monotonic() < deadline:
                 counts = audit.status_counts(engine)
-                if not counts.get("pending"):
+                if not counts.get("pending") and not counts.get("scheduled"):
                     break
                 self._wait_until(self.log.elapsed() + 0.5)
             self.log.event(f"drained: {audit.status_counts(engine)}")

@@ -36,6 +36,10 @@ TOPICS = ("chaos.orders", "chaos.payments")
 PARTITIONS = 3
 BUSINESS_TABLE = "chaos_orders"
 ROLLBACK_SHARE = 0.1
+#: Messages scheduled a little ahead (seconds, drawn in the range): they take their place in
+#: their key's order when due, which the audit's per-key order by seq checks.
+SCHEDULED_SHARE = 0.05
+SCHEDULED_AHEAD = (0.2, 3.0)
 KEYS_PER_WRITER = 16
 
 CREATE_BUSINESS_TABLE = f"""
@@ -135,7 +139,11 @@ class Writer(threading.Thread):
             n = self.next_n[key]
             self.next_n[key] = n + 1
             topic = self.rng.choice(self.topics)
-            messages.append(Message(topic, {"writer": self.index, "key": key, "n": n}, key=key))
+            ahead = None
+            if self.rng.random() < SCHEDULED_SHARE:
+                ahead = self.rng.uniform(*SCHEDULED_AHEAD)
+            value = {"writer": self.index, "key": key, "n": n}
+            messages.append(Message(topic, value, key=key, deliver_after=ahead))
         return messages
 
     def _transaction(self, messages: list[Message], roll_back: bool) -> None:

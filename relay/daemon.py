@@ -53,6 +53,7 @@ from outbox.relay.producers import (
     InFlight,
 )
 from outbox.relay.progress import ensure_progress_topic
+from outbox.relay.promotion import ScheduledPromotion
 from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
 from outbox.relay.store import (
@@ -182,6 +183,8 @@ class Relay:
             self.engine, config.spec, self.owner, config.delete_on_send
         )
         self.metrics = metrics or RelayMetrics()
+        #: Due scheduled messages are made pending before a read (see outbox.relay.promotion).
+        self._due = ScheduledPromotion(config.spec, self.metrics)
         # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
         # be resumed until its transaction times out, without the loop turning.
         self.health = HealthState(
@@ -381,6 +384,8 @@ class Relay:
         for one read.
         """
         assert self._ownership is not None and self._publisher is not None
+        assert self._reader is not None
+        self._due.promote(self._ownership.owned, self._reader, self._owner_key)
         owned = sorted(self._ownership.owned)
         busy = {shard for shards, _, _ in self._busy_shards.values() for shard in shards}
         busy |= self._take_overs.shards
@@ -753,8 +758,9 @@ class Relay:
     def _idle_timeout(self) -> float:
         """How long an idle relay that owns shards may sleep: while an immediate sender holds
         rows of them, a short while only. Its mark, an UPDATE, wakes nobody, and the later
-        rows of the held keys (given back, or written without immediate send) may go then."""
-        timeout = self._sleep_timeout()
+        rows of the held keys (given back, or written without immediate send) may go then.
+        It sleeps no longer than until the next scheduled message of its shards is due."""
+        timeout = self._due.sleep_bound(self._sleep_timeout())
         assert self._ownership is not None and self._reader is not None
         if timeout > HELD_RELOOK_SECONDS and self.store.leases_held(
             sorted(self._ownership.owned), self._reader
@@ -944,6 +950,7 @@ class Relay:
         if now >= self._next_gauge:
             self._next_gauge = now + GAUGE_INTERVAL
             self.metrics.oldest_pending.set(self.store.oldest_pending_age())
+            self._due.refresh_gauges(self.engine)
 
     def _oldest_unfinished(self) -> float | None:
         """When the oldest batch (in flight or being marked) or take-over still running

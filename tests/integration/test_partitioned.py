@@ -63,9 +63,12 @@ def insert(
         conn.execute(
             sa.text(
                 "INSERT INTO outbox (id, shard, topic, key, value, status, idempotency_key, "
-                "created_at, sent_at, prepared_at, check_group) VALUES (:id, 0, 'orders', :mk, "
-                "'x', :status, :key, :made, :sent, CASE WHEN :status = 'prepared' THEN :made END,"
-                " CASE WHEN :status = 'prepared' THEN 'g' END)"
+                "created_at, sent_at, prepared_at, check_group, deliver_at, resolved_at) "
+                "VALUES (:id, 0, 'orders', :mk, 'x', :status, :key, :made, :sent, "
+                "CASE WHEN :status = 'prepared' THEN :made END, "
+                "CASE WHEN :status = 'prepared' THEN 'g' END, "
+                "CASE WHEN :status IN ('scheduled', 'cancelled') THEN now() + interval '1 day' "
+                "END, CASE WHEN :status IN ('rolled_back', 'cancelled') THEN :made END)"
             ),
             {
                 "id": row_id,
@@ -105,6 +108,43 @@ def test_the_migration_makes_daily_partitions_ahead_and_a_default(engine: sa.Eng
     with Outbox(engine).transaction() as tx:
         result = tx.publish("orders", {"n": 1})
     assert partition_of(engine, result.message_id) == f"outbox_p{today:%Y%m%d}"
+
+
+def test_the_scheduled_index_covers_every_partition_and_the_relay_reads_through_it(
+    engine: sa.Engine,
+) -> None:
+    # Revision 0010 ran on the partitioned table (0009): built partition by partition.
+    add_day(engine, NOW - 10 * DAY)  # a partition made after it gets the index too
+    with engine.connect() as conn:
+        valid = conn.execute(
+            sa.text(
+                "SELECT c.relkind, x.indisvalid FROM pg_class AS c JOIN pg_index AS x "
+                "ON x.indexrelid = c.oid WHERE c.relname = 'outbox_scheduled_idx'"
+            )
+        ).one()
+        unindexed = conn.execute(
+            sa.text(
+                "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = 'outbox'::regclass AND NOT EXISTS ("
+                " SELECT 1 FROM pg_inherits AS j JOIN pg_index AS x ON x.indexrelid = j.inhrelid"
+                " WHERE j.inhparent = 'outbox_scheduled_idx'::regclass AND x.indrelid = c.oid)"
+            )
+        ).all()
+    assert tuple(valid) == ("I", True)  # a partitioned index, valid: every partition's attached
+    assert unindexed == []
+    with Outbox(engine).transaction() as tx:
+        later = tx.publish("orders", {"n": 1}, key="k", deliver_after=3600).message_id
+    with engine.connect() as conn:
+        status = conn.execute(sa.text("SELECT status FROM outbox WHERE id = :id"), {"id": later})
+        assert status.scalar_one() == "scheduled"
+        conn.execute(sa.text("SET enable_seqscan = off"))  # a few rows: only whether it can
+        plan = conn.execute(
+            sa.text(
+                "EXPLAIN SELECT id FROM outbox WHERE status = 'scheduled' AND shard = 0 "
+                "AND deliver_at <= now() ORDER BY deliver_at, seq LIMIT 10"
+            )
+        ).scalars()
+        assert "scheduled_idx" in "\n".join(plan)
 
 
 def test_idempotency_keys_stay_unique_across_partitions(engine: sa.Engine) -> None:
@@ -154,19 +194,21 @@ def test_retention_drops_done_partitions_and_keeps_one_with_a_pending_row(
 ) -> None:
     done, busy = NOW - 10 * DAY, NOW - 9 * DAY
     done_name, busy_name = add_day(engine, done), add_day(engine, busy)
+    waiting = NOW - 8 * DAY
+    waiting_name = add_day(engine, waiting)
     insert(engine, done, "sent", sent=done, key="gone")
     insert(engine, done, "rolled_back", sent=None)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text("UPDATE outbox SET resolved_at = created_at WHERE status = 'rolled_back'")
-        )
+    insert(engine, done, "cancelled", sent=None)  # a cancelled scheduled message is done
     insert(engine, busy, "sent", sent=busy)
     pending = insert(engine, busy, "pending")
+    insert(engine, waiting, "sent", sent=waiting)
+    scheduled = insert(engine, waiting, "scheduled")  # waits for its time: not done
     report = maintain(engine, timedelta(days=7))
     assert report.dropped == [done_name]
-    assert busy_name in report.kept
+    assert busy_name in report.kept and waiting_name in report.kept
     assert done_name not in names(engine) and busy_name in names(engine)
     assert partition_of(engine, pending) == busy_name
+    assert partition_of(engine, scheduled) == waiting_name
     # The dropped rows' idempotency key is given up, as a purge gives it up.
     with Outbox(engine).transaction() as tx:
         assert not tx.publish("orders", {}, idempotency_key="gone").duplicate
@@ -180,6 +222,7 @@ def test_carry_moves_rows_not_done_with_their_ids_and_order(engine: sa.Engine) -
         insert(engine, old, "pending", message_key=b"k", key="p1"),
         insert(engine, old, "dead", message_key=b"k"),
         insert(engine, old, "prepared", key="p2"),
+        insert(engine, old, "scheduled", message_key=b"k"),
         insert(engine, old, "sent", sent=NOW - DAY),  # sent after the cut-off: not done
     ]
     later = insert(engine, NOW, "pending", message_key=b"k")
@@ -187,7 +230,7 @@ def test_carry_moves_rows_not_done_with_their_ids_and_order(engine: sa.Engine) -
         before = conn.execute(sa.text("SELECT id, seq, status FROM outbox ORDER BY seq")).all()
     report = maintain(engine, timedelta(days=7), carry=True)
     assert report.dropped == [old_name]
-    assert report.carried == {old_name: 4}
+    assert report.carried == {old_name: 5}
     with engine.connect() as conn:
         after = conn.execute(sa.text("SELECT id, seq, status FROM outbox ORDER BY seq")).all()
     assert after == [row for row in before if row.id in {*rows, later}]
