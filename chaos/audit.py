@@ -109,6 +109,16 @@ def row_facts(engine: sa.Engine, topics: Iterable[str]) -> dict[uuid.UUID, RowFa
     """The rows of ``topics``, each with the transaction that made it pending: its business
     row's, or the last that gave it a new seq (see outbox.chaos.visibility)."""
     with engine.connect() as conn:
+        recorded = conn.execute(
+            sa.text("SELECT to_regclass(:name) IS NOT NULL"), {"name": MADE_PENDING_TABLE}
+        ).scalar()
+        made_pending = (
+            f"SELECT DISTINCT ON (id) id, xact, seen FROM {MADE_PENDING_TABLE} "
+            "ORDER BY id, xact DESC"
+            if recorded
+            else "SELECT CAST(NULL AS uuid) AS id, CAST(NULL AS xid8) AS xact, "
+            "CAST(NULL AS pg_snapshot) AS seen LIMIT 0"
+        )
         rows = conn.execute(
             sa.text(
                 f"""
@@ -116,9 +126,7 @@ def row_facts(engine: sa.Engine, topics: Iterable[str]) -> dict[uuid.UUID, RowFa
                        CAST(coalesce(m.xact, b.xact) AS text) AS xact,
                        CAST(CASE WHEN m.id IS NULL THEN b.seen ELSE m.seen END AS text) AS seen
                   FROM outbox AS o
-                  LEFT JOIN (SELECT DISTINCT ON (id) id, xact, seen
-                               FROM {MADE_PENDING_TABLE}
-                              ORDER BY id, xact DESC) AS m ON m.id = o.id
+                  LEFT JOIN ({made_pending}) AS m ON m.id = o.id
                   LEFT JOIN (SELECT unnest(message_ids) AS id, xact, seen
                                FROM {BUSINESS_TABLE}) AS b ON b.id = o.id
                  WHERE o.topic = ANY(:topics)
