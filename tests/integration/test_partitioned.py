@@ -16,7 +16,13 @@ from click.testing import CliRunner
 from outbox import Outbox, migrate
 from outbox.cli import main
 from outbox.errors import OutboxError
-from outbox.partition_layout import create_range, list_partitions, period_start
+from outbox.partition_layout import (
+    SCHEDULED_INDEX_DEFINITION,
+    build_index_concurrently,
+    create_range,
+    list_partitions,
+    period_start,
+)
 from outbox.partition_retention import maintain
 from outbox.schema import DEFAULT_SPEC
 
@@ -110,28 +116,37 @@ def test_the_migration_makes_daily_partitions_ahead_and_a_default(engine: sa.Eng
     assert partition_of(engine, result.message_id) == f"outbox_p{today:%Y%m%d}"
 
 
+def scheduled_index_state(conn: sa.Connection) -> tuple[bool, list[str]]:
+    """Whether the scheduled index is valid, and the partitions without their part of it."""
+    valid = conn.execute(
+        sa.text(
+            "SELECT x.indisvalid FROM pg_index AS x "
+            "WHERE x.indexrelid = to_regclass('outbox_scheduled_idx')"
+        )
+    ).scalar_one()
+    unindexed = conn.execute(
+        sa.text(
+            "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'outbox'::regclass AND NOT EXISTS ("
+            " SELECT 1 FROM pg_inherits AS j JOIN pg_index AS x ON x.indexrelid = j.inhrelid"
+            " WHERE j.inhparent = 'outbox_scheduled_idx'::regclass AND x.indrelid = c.oid)"
+        )
+    ).scalars()
+    return bool(valid), list(unindexed)
+
+
 def test_the_scheduled_index_covers_every_partition_and_the_relay_reads_through_it(
     engine: sa.Engine,
 ) -> None:
     # Revision 0010 ran on the partitioned table (0009): built partition by partition.
     add_day(engine, NOW - 10 * DAY)  # a partition made after it gets the index too
     with engine.connect() as conn:
-        valid = conn.execute(
-            sa.text(
-                "SELECT c.relkind, x.indisvalid FROM pg_class AS c JOIN pg_index AS x "
-                "ON x.indexrelid = c.oid WHERE c.relname = 'outbox_scheduled_idx'"
-            )
-        ).one()
-        unindexed = conn.execute(
-            sa.text(
-                "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
-                "WHERE i.inhparent = 'outbox'::regclass AND NOT EXISTS ("
-                " SELECT 1 FROM pg_inherits AS j JOIN pg_index AS x ON x.indexrelid = j.inhrelid"
-                " WHERE j.inhparent = 'outbox_scheduled_idx'::regclass AND x.indrelid = c.oid)"
-            )
-        ).all()
-    assert tuple(valid) == ("I", True)  # a partitioned index, valid: every partition's attached
-    assert unindexed == []
+        kind = conn.execute(
+            sa.text("SELECT relkind FROM pg_class WHERE relname = :n"),
+            {"n": "outbox_scheduled_idx"},
+        )
+        assert kind.scalar_one() == "I"  # a partitioned index
+        assert scheduled_index_state(conn) == (True, [])  # valid: every partition's attached
     with Outbox(engine).transaction() as tx:
         later = tx.publish("orders", {"n": 1}, key="k", deliver_after=3600).message_id
     with engine.connect() as conn:
@@ -145,6 +160,49 @@ def test_the_scheduled_index_covers_every_partition_and_the_relay_reads_through_
             )
         ).scalars()
         assert "scheduled_idx" in "\n".join(plan)
+
+
+def test_revision_0010_on_a_partitioned_table_made_by_maintenance_too(database_url: str) -> None:
+    migrate.upgrade(database_url, revision="0009_partitioned_layout", partitioned="daily")
+    engine = sa.create_engine(database_url)
+    try:
+        made = add_day(engine, NOW - 3 * DAY)  # as maintenance makes one: LIKE, then ATTACH
+        migrate.upgrade(database_url)
+        waiting = insert(engine, NOW - 3 * DAY, "scheduled")  # the new status is accepted
+        assert partition_of(engine, waiting) == made
+        with engine.connect() as conn:
+            assert scheduled_index_state(conn) == (True, [])
+        # Interrupted after one partition's index was built, before it was attached: run
+        # again, the build finishes the job.
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("DROP INDEX outbox_scheduled_idx"))
+            conn.execute(
+                sa.text(
+                    f'CREATE INDEX "{made}_scheduled_idx" ON "{made}" {SCHEDULED_INDEX_DEFINITION}'
+                )
+            )
+            build_index_concurrently(
+                conn, DEFAULT_SPEC, "scheduled_idx", SCHEDULED_INDEX_DEFINITION
+            )
+            assert scheduled_index_state(conn) == (True, [])
+        with pytest.raises(Exception, match="holds scheduled messages"):
+            migrate.downgrade(database_url, revision="0009_partitioned_layout")
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE outbox SET status = 'sent', sent_at = now()"))
+        migrate.downgrade(database_url, revision="0009_partitioned_layout")
+        with engine.connect() as conn:
+            kind = conn.execute(sa.text("SELECT relkind FROM pg_class WHERE relname = 'outbox'"))
+            assert kind.scalar_one() == "p"
+            column = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox'::regclass "
+                    "AND attname = 'deliver_at' AND NOT attisdropped"
+                )
+            )
+            assert column.scalar_one() == 0
+        migrate.upgrade(database_url)  # and up again
+    finally:
+        engine.dispose()
 
 
 def test_idempotency_keys_stay_unique_across_partitions(engine: sa.Engine) -> None:
