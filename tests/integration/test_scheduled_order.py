@@ -84,7 +84,7 @@ def test_a_writer_open_across_the_promotion_may_follow_it(  # type: ignore[no-un
     with running_relay(relay_config(outbox_url, bootstrap_servers)) as relay:
         wait_for(lambda: relay._owns_shards(), 30, "the relay to own its shards")
         with audited.begin() as conn:
-            due = write(ob, conn, topic, "due", deliver_after=0.5)
+            due = write(ob, conn, topic, "due", deliver_after=1.5)
         # The key's writer writes its next message (the lower seq) before the promotion and
         # commits after the relay sent the promoted one.
         with audited.connect() as conn, conn.begin():
