@@ -2,8 +2,9 @@
 
 Every committed message must be applied exactly once (one ``chaos_applied`` row), nothing
 else may be applied, and for each topic and key the applications must have committed in the
-order of the outbox's ``seq``. The checks are pure functions of the rows, so they are tested
-on rows made by hand.
+order of the outbox's ``seq``, as far as the relay promises it (the order of messages whose
+transactions overlapped is not: :mod:`outbox.chaos.visibility`). The checks are pure
+functions of the rows, so they are tested on rows made by hand.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from outbox.chaos.audit import RowFacts
+from outbox.chaos.audit import KeyOrder, RowFacts
 from outbox.chaos.service import APPLIED_TABLE, GROUP
 from outbox.inbox.schema import InboxTableSpec
 
@@ -60,27 +61,27 @@ def order_violations(
     applications: Iterable[Application], rows: Mapping[uuid.UUID, RowFacts]
 ) -> list[str]:
     """Per (topic, key), in the order the applications committed, the first application of
-    each message must come in ``seq`` order. Second applications and messages that were never
-    committed are counted by the other checks, not here."""
+    each message must come in ``seq`` order, as on the topics (see
+    :func:`outbox.chaos.audit.order_violations`). Second applications and messages that were
+    never committed are counted by the other checks, not here."""
     by_key: dict[tuple[str, str], list[Application]] = defaultdict(list)
     for application in applications:
         by_key[(application.topic, application.key)].append(application)
     found: list[str] = []
     for (topic, key), applied in sorted(by_key.items()):
         seen: set[uuid.UUID] = set()
-        last: tuple[int, uuid.UUID] | None = None
+        order = KeyOrder()
         for application in sorted(applied, key=lambda a: a.key_seq):
             facts = rows.get(application.message_id)
             if facts is None or application.message_id in seen:
                 continue
             seen.add(application.message_id)
-            if last is not None and facts.seq < last[0]:
+            verdict = order.add(application.message_id, facts)
+            if verdict is not None and verdict[0]:
                 found.append(
                     f"{topic} key {key}: {application.message_id} (seq {facts.seq}) applied "
-                    f"as number {application.key_seq}, after {last[1]} (seq {last[0]})"
+                    f"as number {application.key_seq}, after {verdict[1]}"
                 )
-            if last is None or facts.seq > last[0]:
-                last = (facts.seq, application.message_id)
     return found
 
 

@@ -204,7 +204,9 @@ def _print_report(body: dict[str, object]) -> None:
         f"outbox rows        {body['outbox_rows']}; records read {body['topic_records']}",
         f"reconciliation     {body['reconciliation']}",
         f"missing {body['missing']}, phantom {body['phantom']}, duplicates {body['duplicates']}, "
-        f"order violations {body['order_violations']}",
+        f"order violations {body['order_violations']} (not counted: "
+        f"{body.get('unordered_overlaps', 0)} of overlapping transactions, which the relay "
+        "does not order)",
     ]
     consuming = body.get("consuming")
     if isinstance(consuming, dict):

@@ -59,6 +59,7 @@ from outbox.chaos.schedule import (
 from outbox.chaos.service import prepare_database
 from outbox.chaos.stack import DATABASE, ChaosStack
 from outbox.chaos.verdict import ConsumingFindings, Findings
+from outbox.chaos.visibility import RECORD_MADE_PENDING
 from outbox.chaos.writer_fleet import WriterFleet
 from outbox.chaos.writers import CREATE_BUSINESS_TABLE, PARTITIONS, TOPICS, Tally, Writer
 from outbox.devstack.stack import sweep_stale_runs
@@ -227,6 +228,8 @@ class ChaosRun:
         engine = sa.create_engine(info.database_url)
         with engine.begin() as conn:
             conn.execute(sa.text(CREATE_BUSINESS_TABLE))
+            for statement in RECORD_MADE_PENDING:
+                conn.execute(sa.text(statement))
         engine.dispose()
         create_topics(self.stack.direct_bootstrap, list(TOPICS), PARTITIONS)
         self.fleet = RelayFleet(
@@ -416,7 +419,7 @@ class ChaosRun:
             deadline = time.monotonic() + DRAIN_TIMEOUT
             while time.monotonic() < deadline:
                 counts = audit.status_counts(engine)
-                if not counts.get("pending"):
+                if not counts.get("pending") and not counts.get("scheduled"):
                     break
                 self._wait_until(self.log.elapsed() + 0.5)
             self.log.event(f"drained: {audit.status_counts(engine)}")
@@ -446,7 +449,8 @@ class ChaosRun:
         try:
             records = audit.read_topics(self.stack.direct_bootstrap, TOPICS)
             rows = audit.row_facts(engine, TOPICS)
-            order = audit.order_violations(records, rows)
+            unordered: list[str] = []  # inversions of overlapping transactions (allowed)
+            order = audit.order_violations(records, rows, unordered)
             tallies = self._tallies()
             rolled_back = [i for t in tallies for i in t.rolled_back]
             committed = [i for t in tallies for i in t.committed]
@@ -485,6 +489,7 @@ class ChaosRun:
             "topic_records": summary.topic_records,
             "reconciliation": summary.per_class(),
             "statuses": statuses,
+            "unordered_overlaps": len(unordered),
             "uncertain_commits": len(uncertain),
             "uncertain_committed": len(uncertain_present),
             "relay_term_exit_codes": self.fleet.term_exits if self.fleet else [],

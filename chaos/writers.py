@@ -1,7 +1,9 @@
 """Writers: business transactions with outbox messages at a steady rate.
 
 Each writer owns its keys, so a key's messages are made by one writer in order and the order
-the relay must keep is the order of the outbox's ``seq``. About one transaction in ten is
+the relay must keep is the order of the outbox's ``seq``; a scheduled message takes its place
+(a new ``seq``) when the relay makes it pending, which the writer does not take turns with
+(:mod:`outbox.chaos.visibility`). About one transaction in ten is
 rolled back on purpose; its messages must never reach a topic. A transaction whose COMMIT was
 interrupted (the database restarted under it) is *uncertain*: it may or may not have
 committed, and the audit looks it up.
@@ -36,6 +38,11 @@ TOPICS = ("chaos.orders", "chaos.payments")
 PARTITIONS = 3
 BUSINESS_TABLE = "chaos_orders"
 ROLLBACK_SHARE = 0.1
+#: Messages scheduled a little ahead (seconds, drawn in the range): they take their place in
+#: their key's order when due (the relay makes them pending with a new seq), which the
+#: audit's per-key order checks (outbox.chaos.visibility).
+SCHEDULED_SHARE = 0.05
+SCHEDULED_AHEAD = (0.2, 3.0)
 KEYS_PER_WRITER = 16
 
 CREATE_BUSINESS_TABLE = f"""
@@ -43,7 +50,11 @@ CREATE TABLE IF NOT EXISTS {BUSINESS_TABLE} (
     id uuid PRIMARY KEY,
     writer int NOT NULL,
     message_ids uuid[] NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT now()
+    created_at timestamptz NOT NULL DEFAULT now(),
+    -- The writing transaction and its snapshot, after its messages were written: the
+    -- audit's per-key order compares transactions by them (outbox.chaos.visibility).
+    xact xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    seen pg_snapshot NOT NULL DEFAULT pg_current_snapshot()
 )"""
 
 
@@ -135,7 +146,11 @@ class Writer(threading.Thread):
             n = self.next_n[key]
             self.next_n[key] = n + 1
             topic = self.rng.choice(self.topics)
-            messages.append(Message(topic, {"writer": self.index, "key": key, "n": n}, key=key))
+            ahead = None
+            if self.rng.random() < SCHEDULED_SHARE:
+                ahead = self.rng.uniform(*SCHEDULED_AHEAD)
+            value = {"writer": self.index, "key": key, "n": n}
+            messages.append(Message(topic, value, key=key, deliver_after=ahead))
         return messages
 
     def _transaction(self, messages: list[Message], roll_back: bool) -> None:

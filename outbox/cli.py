@@ -5,9 +5,10 @@ logic in modules of their own. The others load only when named: ``topics``
 (:mod:`outbox.topics_cli`), and those that live with the package they run: ``relay``
 (:mod:`outbox.relay.cli`), ``reconcile`` (:mod:`outbox.spark_jobs.cli`), ``consume`` and
 ``inbox`` (:mod:`outbox.inbox.cli`), ``checkback`` and ``prepared``
-(:mod:`outbox.prepared.cli`), and from a source checkout ``dev`` (:mod:`outbox.devstack.cli`)
-and ``chaos`` (:mod:`outbox.chaos.cli`). So ``outbox --help`` loads neither librdkafka nor
-PySpark, and a command whose package is not installed says so in one line.
+(:mod:`outbox.prepared.cli`), ``scheduled`` (:mod:`outbox.scheduled.cli`), and from a source
+checkout ``dev`` (:mod:`outbox.devstack.cli`) and ``chaos`` (:mod:`outbox.chaos.cli`). So
+``outbox --help`` loads neither librdkafka nor PySpark, and a command whose package is not
+installed says so in one line.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ LAZY_COMMANDS = {
         "outbox.prepared.cli",
         "prepared",
         "Inspect prepared messages; commit or roll back those waiting for a verdict.",
+    ),
+    "scheduled": LazyCommand(
+        "outbox.scheduled.cli",
+        "scheduled",
+        "List scheduled messages; cancel those not yet due.",
     ),
     "partitions": LazyCommand(
         "outbox.partitions_cli",
@@ -245,10 +251,10 @@ def purge(
 ) -> None:
     """Delete sent rows older than --older-than, in short batches.
 
-    Prepared messages rolled back before the cut-off go too (they were never published);
-    prepared messages waiting for a verdict never do. Refuses a cut-off the nightly
-    reconciliation may still read (the previous UTC day, with its grace period) unless
-    --ignore-audit-window is given.
+    Prepared messages rolled back (scheduled ones cancelled) before the cut-off go too (they
+    were never published); messages waiting for a verdict or for their time never do.
+    Refuses a cut-off the nightly reconciliation may still read (the previous UTC day, with
+    its grace period) unless --ignore-audit-window is given.
     """
     from datetime import UTC
 
@@ -296,8 +302,9 @@ def purge(
 @click.option(
     "--exact",
     is_flag=True,
-    help="Count sent, dead and rolled-back rows per topic exactly: one scan of the whole table "
-    "(without it they are estimates from the planner's statistics, for the whole table).",
+    help="Count sent, dead, rolled-back and cancelled rows per topic exactly: one scan of the "
+    "whole table (without it they are estimates from the planner's statistics, for the whole "
+    "table).",
 )
 @click.option(
     "--inbox-schema",
@@ -325,10 +332,11 @@ def status(
     inbox_table: str,
 ) -> None:
     """Where every message stands: counts per topic and status, the oldest pending message,
-    the relays and the shards each owns, prepared messages waiting, parked inbox rows.
+    the relays and the shards each owns, prepared and scheduled messages waiting (overdue
+    ones too), parked inbox rows.
 
-    Cheap on a large table: pending and prepared rows are read through their partial
-    indexes, the other statuses estimated unless --exact is given.
+    Cheap on a large table: pending, prepared and scheduled rows are read through their
+    partial indexes, the other statuses estimated unless --exact is given.
     """
     from outbox.queries import Queries
     from outbox.status import read_status

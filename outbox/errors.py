@@ -50,6 +50,11 @@ class InvalidCloudEvent(InvalidMessage):
     an outbox without a CloudEvents envelope."""
 
 
+class InvalidSchedule(InvalidMessage):
+    """``deliver_after``/``deliver_at`` cannot say when to deliver: both given, a naive
+    ``datetime``, a negative, non-finite or too long delay, or a value of the wrong type."""
+
+
 class PayloadTooLarge(InvalidMessage):
     """The serialized message exceeds the configured maximum size."""
 
@@ -69,6 +74,17 @@ class PermissionDenied(OutboxError):
 class NotPrepared(OutboxError):
     """A commit or rollback found no prepared message to decide: there is none with that id,
     or it was already decided the other way (``status`` says where it stands)."""
+
+    def __init__(self, text: str, *, message_id: object = None, status: str | None = None):
+        super().__init__(text)
+        self.message_id = message_id
+        self.status = status
+
+
+class NotScheduled(OutboxError):
+    """A cancel found no scheduled message to cancel: there is none with that id, or it fell
+    due (it is pending or sent: it may be on its topic already). ``status`` says where it
+    stands (None: no such message)."""
 
     def __init__(self, text: str, *, message_id: object = None, status: str | None = None):
         super().__init__(text)

@@ -6,8 +6,10 @@ import enum
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
 
+from outbox.delivery_time import delivery_time
 from outbox.errors import (
     InvalidCloudEvent,
     InvalidKey,
@@ -16,7 +18,7 @@ from outbox.errors import (
     SerializationError,
 )
 from outbox.ids import uuid7
-from outbox.schema import shard_of
+from outbox.schema import SCHEDULED, shard_of
 from outbox.serialization import Serializer, content_type_of
 from outbox.validation import (
     HeadersLike,
@@ -60,6 +62,9 @@ class Message:
     key: KeyLike | NoKey = NO_KEY
     headers: HeadersLike = None
     idempotency_key: str | None = None
+    #: Not before this long after the publish, or this aware datetime: see docs/scheduled.md.
+    deliver_after: float | timedelta | None = None
+    deliver_at: datetime | None = None
     # Keyword-only: Message(topic, value, key, type="...") reads better, and the
     # positional order of the fields above stays what it was.
     type: str | None = field(default=None, kw_only=True)
@@ -85,6 +90,8 @@ class EncodedMessage:
     id: uuid.UUID
     row: dict[str, Any] = field(repr=False)
     idempotency_key: str | None
+    #: When it may be delivered (a scheduled message), None when at once.
+    deliver_at: datetime | None = None
 
 
 def _given_key(key: KeyLike, topic: str) -> KeyLike:
@@ -111,6 +118,7 @@ def encode_message(
     CloudEvent (its headers, or its whole value in structured mode).
     """
     topic = validate_topic(message.topic)
+    deliver_at = delivery_time(message.deliver_after, message.deliver_at)
     key = None if message.key is NO_KEY else encode_key(_given_key(message.key, topic))
     headers = encode_headers(message.headers)
     if envelope is None and (message.type is not None or message.subject is not None):
@@ -173,4 +181,7 @@ def encode_message(
         row["header_values"] = [header for _, header in headers]
     if message.idempotency_key is not None:
         row["idempotency_key"] = message.idempotency_key
-    return EncodedMessage(id=message_id, row=row, idempotency_key=message.idempotency_key)
+    if deliver_at is not None:
+        row["status"] = SCHEDULED
+        row["deliver_at"] = deliver_at
+    return EncodedMessage(message_id, row, message.idempotency_key, deliver_at)

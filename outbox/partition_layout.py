@@ -41,6 +41,9 @@ _NAME_FORMATS = {"daily": "%Y%m%d", "hourly": "%Y%m%d%H", "minutely": "%Y%m%d%H%
 #: Range partitions made ahead of the current one when the layout is created.
 DEFAULT_AHEAD = {"daily": 7, "hourly": 48, "minutely": 10}
 
+#: The scheduled messages' index (revision 0010), after ``ON <table>``.
+SCHEDULED_INDEX_DEFINITION = "(shard, deliver_at, seq) WHERE status = 'scheduled'"
+
 _BOUNDS = re.compile(r"FROM \('([0-9a-f-]{36})'\) TO \('([0-9a-f-]{36})'\)")
 
 
@@ -234,10 +237,10 @@ def convert(
     conn.execute(
         sa.text(f'ALTER TABLE {old} RENAME CONSTRAINT "{spec.table}_pkey" TO "{before}_pkey"')
     )
-    for index in ("pending_idx", "retry_idx", "lease_idx", "prepared_idx"):
+    for index in ("pending_idx", "retry_idx", "lease_idx", "prepared_idx", "scheduled_idx"):
         conn.execute(
             sa.text(
-                f"ALTER INDEX {names.qualified(f'{spec.table}_{index}')} "
+                f"ALTER INDEX IF EXISTS {names.qualified(f'{spec.table}_{index}')} "
                 f'RENAME TO "{before}_{index}"'
             )
         )
@@ -313,6 +316,10 @@ def _indexes(conn: sa.Connection, spec: OutboxTableSpec, names: Names, partition
         f'CREATE INDEX "{name}_prepared_idx" ON {table} (check_group, next_check_at) '
         "WHERE status = 'prepared'",
     ]
+    if _has_column(conn, spec, "deliver_at"):  # scheduled messages (revision 0010)
+        statements.append(
+            f'CREATE INDEX "{name}_scheduled_idx" ON {table} {SCHEDULED_INDEX_DEFINITION}'
+        )
     if partitioned:
         # Not unique (the side table is): finds a key's message, a probe per partition.
         statements.append(
@@ -326,6 +333,62 @@ def _indexes(conn: sa.Connection, spec: OutboxTableSpec, names: Names, partition
         )
     for statement in statements:
         conn.execute(sa.text(statement))
+
+
+def _has_column(conn: sa.Connection, spec: OutboxTableSpec, column: str) -> bool:
+    """Whether the table has ``column``: the layout is rebuilt at whichever revision the
+    table is (0009 converts it before 0010 adds scheduled messages; its downgrade after)."""
+    return bool(
+        conn.execute(
+            sa.text(
+                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(:name) "
+                "AND attname = :column AND NOT attisdropped)"
+            ),
+            {"name": Names(spec).table, "column": column},
+        ).scalar()
+    )
+
+
+def build_index_concurrently(
+    conn: sa.Connection, spec: OutboxTableSpec, suffix: str, definition: str
+) -> None:
+    """Give the partitioned table the index ``<table>_<suffix>`` (``definition``: what follows
+    ``ON <table>``) without holding up writers, on ``conn`` in autocommit.
+
+    PostgreSQL builds no index concurrently on a partitioned table, so the parent's is made
+    alone (``ON ONLY``: invalid, nothing read), each partition's is built concurrently and
+    attached; the parent's becomes valid with the last one. A run interrupted anywhere can be
+    run again: an attached partition is passed over, a half-built index made again. A
+    partition attached meanwhile gets its index from the attach itself.
+    """
+    names = Names(spec)
+    parent = names.qualified(f"{spec.table}_{suffix}")
+    conn.execute(
+        sa.text(
+            f'CREATE INDEX IF NOT EXISTS "{spec.table}_{suffix}" ON ONLY {names.table} {definition}'
+        )
+    )
+    for partition in list_partitions(conn, spec):
+        attached = conn.execute(
+            sa.text(
+                "SELECT EXISTS (SELECT 1 FROM pg_inherits AS i "
+                "JOIN pg_index AS x ON x.indexrelid = i.inhrelid "
+                "WHERE i.inhparent = to_regclass(:parent) "
+                "AND x.indrelid = to_regclass(:partition))"
+            ),
+            {"parent": parent, "partition": names.qualified(partition.name)},
+        ).scalar()
+        if attached:
+            continue
+        child = names.qualified(f"{partition.name}_{suffix}")
+        conn.execute(sa.text(f"DROP INDEX CONCURRENTLY IF EXISTS {child}"))
+        conn.execute(
+            sa.text(
+                f'CREATE INDEX CONCURRENTLY "{partition.name}_{suffix}" '
+                f"ON {names.qualified(partition.name)} {definition}"
+            )
+        )
+        conn.execute(sa.text(f"ALTER INDEX {parent} ATTACH PARTITION {child}"))
 
 
 def _keys_table(conn: sa.Connection, names: Names) -> None:

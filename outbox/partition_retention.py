@@ -1,13 +1,13 @@
 """Retention on the partitioned layout: whole partitions go, not rows.
 
 ``maintain`` makes the ranges of the coming periods ahead of time, then takes each range
-partition that ended before the cut-off: when every row in it is done (sent, or rolled back,
-before the cut-off: the rule of :func:`outbox.retention.purge_sent`) it is dropped (or
-detached, to archive). A partition still holding a row that is not done (pending, dead,
-prepared, or sent after the cut-off) is kept, or with ``carry`` its rows that are not done
-move, with their ids and ``seq`` (so their key's order), into the default partition in the
-same transaction that drops the rest. Carried rows that are done later are deleted row by row,
-as a purge would: they are few.
+partition that ended before the cut-off: when every row in it is done (sent, or rolled back
+or cancelled, before the cut-off: the rule of :func:`outbox.retention.purge_sent`) it is
+dropped (or detached, to archive). A partition still holding a row that is not done (pending,
+dead, prepared, scheduled, or sent after the cut-off) is kept, or with ``carry`` its rows that
+are not done move, with their ids and ``seq`` (so their key's order), into the default
+partition in the same transaction that drops the rest. Carried rows that are done later are
+deleted row by row, as a purge would: they are few.
 
 Detaching or dropping a partition takes the table's ACCESS EXCLUSIVE lock for a moment
 (DETACH CONCURRENTLY is refused while a default partition exists), so every statement is run
@@ -50,7 +50,7 @@ T = TypeVar("T")
 # Done: what a purge may delete (the same conditions as the purge_sent query).
 _DONE = (
     "((status = 'sent' AND sent_at < :cutoff) "
-    "OR (status = 'rolled_back' AND resolved_at < :cutoff))"
+    "OR (status IN ('rolled_back', 'cancelled') AND resolved_at < :cutoff))"
 )
 
 
@@ -164,8 +164,9 @@ def _retire(
     def retire(conn: sa.Connection) -> int | None:
         conn.execute(sa.text(f"ALTER TABLE {names.table} DETACH PARTITION {table}"))
         # Rows that became pending since the read above (a repair's requeue, an operator's
-        # commit) are found through the partial indexes, which cost nothing to probe here.
-        moving = "id = ANY(CAST(:ids AS uuid[])) OR status IN ('pending', 'prepared')"
+        # commit, which makes a message not yet due scheduled) are found through the partial
+        # indexes, which cost nothing to probe here.
+        moving = "id = ANY(CAST(:ids AS uuid[])) OR status IN ('pending', 'prepared', 'scheduled')"
         ids = {"ids": live}
         if (
             not carry

@@ -8,6 +8,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -16,6 +17,8 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
+from outbox.binds import checked_connection as _checked_connection
+from outbox.binds import session_connection as _session_connection
 from outbox.cloudevents import CloudEvents
 from outbox.errors import (
     ConfigError,
@@ -159,6 +162,8 @@ class Outbox:
         idempotency_key: str | None = None,
         type: str | None = None,
         subject: str | None = None,
+        deliver_after: float | timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> PublishResult:
         """Add one message to ``bind``'s current transaction.
 
@@ -168,7 +173,9 @@ class Outbox:
         most often an id the database has not generated yet (flush the session first).
         ``headers`` is a mapping or a list of ``(name, bytes | str)``
         pairs. With ``idempotency_key``, a second publish of the same key writes nothing and
-        returns the first message's id with ``duplicate=True``. ``type`` and ``subject``
+        returns the first message's id with ``duplicate=True``. ``deliver_after`` (seconds or
+        a timedelta) or ``deliver_at`` (an aware datetime) schedule the message: the relay
+        sends it when it is due, not before (docs/scheduled.md). ``type`` and ``subject``
         are the CloudEvents attributes of an outbox made with ``envelope=CloudEvents(...)``
         (``type`` defaults to the topic's type there; see docs/cloudevents.md).
 
@@ -176,7 +183,17 @@ class Outbox:
         when the message is bad, :class:`~outbox.errors.NotInTransaction` when ``bind`` has no
         transaction, :class:`~outbox.errors.OutboxTableMissing` when the table is absent.
         """
-        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
+        message = Message(
+            topic,
+            value,
+            key,
+            headers,
+            idempotency_key,
+            deliver_after,
+            deliver_at,
+            type=type,
+            subject=subject,
+        )
         return self.publish_many(bind, [message])[0]
 
     def publish_many(
@@ -194,7 +211,7 @@ class Outbox:
                 functools.partial(_session_savepoint, bind),
                 leased=self.immediate is not None,
             )
-            self._remember(bind, results)
+            self._remember(bind, results, encoded)
             return results
         if isinstance(bind, Connection):
             return self._write(_checked_connection(bind), encoded, bind.begin_nested)
@@ -213,9 +230,21 @@ class Outbox:
         idempotency_key: str | None = None,
         type: str | None = None,
         subject: str | None = None,
+        deliver_after: float | timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> PublishResult:
         """The asyncio version of :meth:`publish`."""
-        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
+        message = Message(
+            topic,
+            value,
+            key,
+            headers,
+            idempotency_key,
+            deliver_after,
+            deliver_at,
+            type=type,
+            subject=subject,
+        )
         return (await self.apublish_many(bind, [message]))[0]
 
     async def apublish_many(
@@ -233,7 +262,7 @@ class Outbox:
                     savepoint,
                     leased=self.immediate is not None,
                 )
-                self._remember(session, results)
+                self._remember(session, results, encoded)
                 return results
 
             return await bind.run_sync(write_in_session)
@@ -276,7 +305,7 @@ class Outbox:
         self._verify_table(conn)
         try:
             if all(m.idempotency_key is None for m in encoded):
-                self._insert_rows(conn, _same_columns([m.row for m in encoded]), leased)
+                self._insert_rows(conn, encoded, leased)
                 return [PublishResult(m.id) for m in encoded]
             return self._write_keyed(conn, encoded, savepoint, leased)
         except exc.ProgrammingError as error:
@@ -285,7 +314,17 @@ class Outbox:
                 raise
             raise translated from error
 
-    def _insert_rows(self, conn: Connection, rows: list[dict[str, Any]], leased: bool) -> None:
+    def _insert_rows(
+        self, conn: Connection, messages: Sequence[EncodedMessage], leased: bool
+    ) -> None:
+        """INSERT ``messages``: those to send at once, then the scheduled ones (never leased
+        to the immediate sender, and with columns of their own)."""
+        for scheduled in (False, True):
+            rows = [m.row for m in messages if (m.deliver_at is not None) == scheduled]
+            if rows:
+                self._insert_same(conn, _same_columns(rows), leased and not scheduled)
+
+    def _insert_same(self, conn: Connection, rows: list[dict[str, Any]], leased: bool) -> None:
         """INSERT ``rows`` (all with the same columns) in one statement.
 
         With psycopg the statement is compiled by Core once per column set and then run as
@@ -344,7 +383,7 @@ class Outbox:
             try:
                 with savepoint():
                     if fresh:
-                        self._insert_rows(conn, _same_columns([m.row for m in fresh]), leased)
+                        self._insert_rows(conn, fresh, leased)
             except exc.IntegrityError as error:
                 if getattr(getattr(error.orig, "diag", None), "constraint_name", None) != (
                     self.spec.idempotency_index
@@ -392,12 +431,19 @@ class Outbox:
             )
         self._verified.add(engine)
 
-    def _remember(self, session: Session, results: list[PublishResult]) -> None:
-        """Note new message ids on the session so that they can be sent right after commit."""
+    def _remember(
+        self, session: Session, results: list[PublishResult], encoded: Sequence[EncodedMessage]
+    ) -> None:
+        """Note new message ids on the session so that they can be sent right after commit
+        (not a scheduled message's: the relay sends it when it is due)."""
         if self.immediate is None:
             return
         ids: list[uuid.UUID] = session.info.setdefault(_SESSION_IDS_KEY, [])
-        ids.extend(result.message_id for result in results if not result.duplicate)
+        ids.extend(
+            result.message_id
+            for result, message in zip(results, encoded, strict=True)
+            if not result.duplicate and message.deliver_at is None
+        )
         if not event.contains(session, "after_commit", self._after_commit):
             event.listen(session, "after_commit", self._after_commit)
             event.listen(session, "after_rollback", _forget_ids)
@@ -470,27 +516,6 @@ def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if all(len(row) == len(columns) for row in rows):
         return rows
     return [{name: row.get(name) for name in columns} for row in rows]
-
-
-def _session_connection(session: Session) -> Connection:
-    try:
-        conn = session.connection()  # begins the session's transaction if it has not yet
-    except exc.InvalidRequestError as error:
-        raise NotInTransaction(f"publish needs a session inside a transaction: {error}") from error
-    return _checked_connection(conn, session_owned=True)
-
-
-def _checked_connection(conn: Connection, session_owned: bool = False) -> Connection:
-    if not session_owned and not conn.in_transaction():
-        raise NotInTransaction(
-            "publish needs a connection inside a transaction: use `with conn.begin():`"
-        )
-    dbapi_connection = conn.connection.dbapi_connection
-    if getattr(dbapi_connection, "autocommit", False):
-        raise NotInTransaction(
-            "publish refuses an AUTOCOMMIT connection: each statement would commit on its own"
-        )
-    return conn
 
 
 def _forget_ids(session: Session) -> None:

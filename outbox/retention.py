@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from outbox.errors import ConfigError
 from outbox.queries import Queries
-from outbox.schema import ROLLED_BACK, SENT, OutboxTableSpec
+from outbox.schema import CANCELLED, ROLLED_BACK, SENT, OutboxTableSpec
 
 #: The slack the nightly reconciliation reads at each edge of the day it audits (the
 #: ``--grace`` default of ``outbox reconcile``, ``AuditWindow.grace``): rows
@@ -71,8 +71,9 @@ def purge_sent(
     dry_run: bool = False,
 ) -> int:
     """Delete sent rows that were created and sent more than ``older_than`` ago, and prepared
-    messages rolled back that long ago (they were never published). Prepared messages waiting
-    for a verdict are never deleted.
+    messages rolled back (scheduled ones cancelled) that long ago (they were never published).
+    Prepared messages waiting for a verdict and scheduled ones waiting for their time are
+    never deleted.
 
     Each batch of at most ``batch_size`` rows is its own short transaction (rows locked by a
     sender are skipped), so the table is never locked for long. Returns the number deleted;
@@ -105,7 +106,7 @@ def count_purgeable(
     engine: sa.Engine, cutoff: datetime, *, spec: OutboxTableSpec | None = None
 ) -> int:
     """How many rows a purge up to ``cutoff`` would take: sent rows created and sent before
-    it, and rolled-back ones created and rolled back before it."""
+    it, and rolled-back (cancelled) ones created and rolled back (cancelled) before it."""
     table = (spec or OutboxTableSpec()).table_obj
     # The same conditions as the purge_sent query; the id bound lets the primary key serve it.
     query = (
@@ -115,7 +116,7 @@ def count_purgeable(
             table.c.id < uuid7_floor(cutoff),
             sa.or_(
                 sa.and_(table.c.status == SENT, table.c.sent_at < cutoff),
-                sa.and_(table.c.status == ROLLED_BACK, table.c.resolved_at < cutoff),
+                sa.and_(table.c.status.in_([ROLLED_BACK, CANCELLED]), table.c.resolved_at < cutoff),
             ),
         )
     )

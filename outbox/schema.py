@@ -28,6 +28,10 @@ PENDING, SENT, DEAD = "pending", "sent", "dead"
 #: commit it (it becomes pending) or roll it back (rolled_back, final): see
 #: docs/prepared-messages.md.
 PREPARED, ROLLED_BACK = "prepared", "rolled_back"
+#: A scheduled message waits, invisible to the relay, for its ``deliver_at``: the relay that
+#: owns its shard then makes it pending (it takes its place in its key's order then); one
+#: cancelled before that is never sent (cancelled, final): see docs/scheduled.md.
+SCHEDULED, CANCELLED = "scheduled", "cancelled"
 
 #: Tighter per-table autovacuum settings for the outbox table, measured against PostgreSQL's
 #: defaults by ``bench/table_health.py``: every message is inserted and then updated (or
@@ -38,7 +42,7 @@ PENDING_AUTOVACUUM: dict[str, float | int] = {
     "autovacuum_vacuum_insert_scale_factor": 0.01,
     "autovacuum_analyze_scale_factor": 0.02,
 }
-STATUSES = (PENDING, SENT, DEAD, PREPARED, ROLLED_BACK)
+STATUSES = (PENDING, SENT, DEAD, PREPARED, ROLLED_BACK, SCHEDULED, CANCELLED)
 
 
 def shard_of(key: bytes | None, message_id: uuid.UUID) -> int:
@@ -125,6 +129,10 @@ class OutboxTableSpec:
         return f"{self.table}_prepared_idx"
 
     @property
+    def scheduled_index(self) -> str:
+        return f"{self.table}_scheduled_idx"
+
+    @property
     def version_table(self) -> str:
         """Alembic's version table for the outbox's own migration history."""
         return f"{self.table}_alembic_version"
@@ -183,8 +191,12 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
         sa.Column("last_check_error", sa.Text),
         sa.Column("resolved_at", tz),
         sa.Column("resolved_by", sa.Text),
+        # Scheduled messages (revision 0010): when the message may be sent, NULL for one sent
+        # as soon as it can be.
+        sa.Column("deliver_at", tz),
         sa.CheckConstraint(
-            "status IN ('pending', 'sent', 'dead', 'prepared', 'rolled_back')",
+            "status IN ('pending', 'sent', 'dead', 'prepared', 'rolled_back', 'scheduled',"
+            " 'cancelled')",
             name=f"{name}_status_check",
         ),
         # Only pending rows are indexed for the relay's scan, so it stays small however many
@@ -222,6 +234,15 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
             "check_group",
             "next_check_at",
             postgresql_where=sa.text("status = 'prepared'"),
+        ),
+        # Scheduled rows only, by shard in the order they fall due: the relay's promotion
+        # reads the due end of its shards' entries, however many lie further ahead.
+        sa.Index(
+            f"{name}_scheduled_idx",
+            "shard",
+            "deliver_at",
+            "seq",
+            postgresql_where=sa.text("status = 'scheduled'"),
         ),
         sa.Index(
             f"{name}_idempotency_key_idx",

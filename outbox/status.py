@@ -15,16 +15,29 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from outbox.queries import Queries
-from outbox.schema import DEAD, PENDING, PREPARED, ROLLED_BACK, SENT, SHARD_COUNT, STATUSES
+from outbox.schema import (
+    CANCELLED,
+    DEAD,
+    PENDING,
+    PREPARED,
+    ROLLED_BACK,
+    SCHEDULED,
+    SENT,
+    SHARD_COUNT,
+    STATUSES,
+)
 
 #: Statuses counted through a partial index, always exactly.
-INDEXED = (PENDING, PREPARED)
+INDEXED = (PENDING, PREPARED, SCHEDULED)
+#: The others: estimated, or counted by one scan of the table (``exact``).
+UNINDEXED = (SENT, DEAD, ROLLED_BACK, CANCELLED)
 
 
 @dataclass
 class TopicStatus:
-    """One topic's rows. ``sent``, ``dead`` and ``rolled_back`` are None unless counted
-    exactly (``exact``)."""
+    """One topic's rows. ``sent``, ``dead``, ``rolled_back`` and ``cancelled`` are None unless
+    counted exactly (``exact``). ``overdue``: scheduled messages due more than a second ago
+    that no relay made pending yet; ``next_due_seconds``: until the next is due."""
 
     topic: str
     pending: int = 0
@@ -32,9 +45,13 @@ class TopicStatus:
     oldest_pending_seconds: float | None = None
     prepared: int = 0
     oldest_prepared_seconds: float | None = None
+    scheduled: int = 0
+    overdue: int = 0
+    next_due_seconds: float | None = None
     sent: int | None = None
     dead: int | None = None
     rolled_back: int | None = None
+    cancelled: int | None = None
 
 
 @dataclass
@@ -94,6 +111,11 @@ class OutboxStatus:
     parked: list[ParkedCount] = field(default_factory=list)
 
     @property
+    def overdue(self) -> int:
+        """Scheduled messages due more than a second ago and still scheduled."""
+        return sum(t.overdue for t in self.topics)
+
+    @property
     def oldest_pending_seconds(self) -> float | None:
         ages = [t.oldest_pending_seconds for t in self.topics if t.oldest_pending_seconds]
         return max(ages) if ages else None
@@ -130,13 +152,17 @@ def read_status(
             group = groups.setdefault(name, PreparedGroup(name, 0, 0.0))
             group.count += row.prepared
             group.oldest_seconds = max(group.oldest_seconds, float(row.oldest))
+        for row in conn.execute(queries["status_scheduled"]):
+            t = topics.setdefault(row.topic, TopicStatus(row.topic))
+            t.scheduled, t.overdue = row.scheduled, row.overdue
+            t.next_due_seconds = float(row.next_due)
         statuses = {
             status: StatusCount(sum(getattr(t, status) for t in topics.values()), False)
             for status in INDEXED
         }
         if exact:
             conn.execute(sa.text("SET LOCAL enable_seqscan = on"))
-            counted = {status: 0 for status in (SENT, DEAD, ROLLED_BACK)}
+            counted = {status: 0 for status in UNINDEXED}
             for row in conn.execute(queries["status_by_topic"]):
                 if row.status in counted:
                     t = topics.setdefault(row.topic, TopicStatus(row.topic))
@@ -149,7 +175,7 @@ def read_status(
             statuses.update({s: StatusCount(n, False) for s, n in counted.items()})
         else:
             estimates = _estimates(conn, queries)
-            for status in (SENT, DEAD, ROLLED_BACK):
+            for status in UNINDEXED:
                 statuses[status] = StatusCount(
                     estimates.get(status, 0 if estimates else None), True
                 )

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from outbox.schema import PENDING, PREPARED
+from outbox.schema import PENDING, PREPARED, SCHEDULED
 from outbox.status import OutboxStatus
 
 
@@ -62,6 +62,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
+def _due_in(seconds: float | None) -> str:
+    """Time until the next scheduled message is due; ``-`` for none, ``overdue`` when past."""
+    if seconds is None:
+        return "-"
+    return "overdue" if seconds < 0 else age(seconds)
+
+
 def _count(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
@@ -78,15 +85,22 @@ def to_text(status: OutboxStatus) -> list[str]:
     lines.append("messages: " + ", ".join(counts))
     if not status.exact:
         lines.append(
-            "  pending and prepared: exact; ~: estimated from the planner's statistics (a status"
-            " too rare for ANALYZE's sample reads ~0); ?: not analyzed yet; --exact: one scan"
+            "  pending, prepared and scheduled: exact; ~: estimated from the planner's statistics"
+            " (a status too rare for ANALYZE's sample reads ~0); ?: not analyzed yet; --exact:"
+            " one scan"
         )
     lines.append(f"oldest pending: {age(status.oldest_pending_seconds)}")
+    if status.overdue:
+        lines.append(
+            f"overdue scheduled: {status.overdue:,} (due over a second ago, not pending yet:"
+            " is a relay running?)"
+        )
     lines.append("")
 
     header = ["TOPIC", "PENDING", "BACKING OFF", "OLDEST PENDING", "PREPARED", "OLDEST PREPARED"]
+    header += ["SCHEDULED", "OVERDUE", "NEXT DUE IN"]
     if status.exact:
-        header += ["SENT", "DEAD", "ROLLED BACK"]
+        header += ["SENT", "DEAD", "ROLLED BACK", "CANCELLED"]
     rows = []
     for t in status.topics:
         row = [
@@ -96,15 +110,18 @@ def to_text(status: OutboxStatus) -> list[str]:
             age(t.oldest_pending_seconds),
             _count(t.prepared),
             age(t.oldest_prepared_seconds),
+            _count(t.scheduled),
+            _count(t.overdue),
+            _due_in(t.next_due_seconds),
         ]
         if status.exact:
-            row += [_count(t.sent), _count(t.dead), _count(t.rolled_back)]
+            row += [_count(t.sent), _count(t.dead), _count(t.rolled_back), _count(t.cancelled)]
         rows.append(row)
     if rows:
         lines += _table(header, rows)
     else:
         lines.append(
-            f"no {PENDING} or {PREPARED} messages"
+            f"no {PENDING}, {PREPARED} or {SCHEDULED} messages"
             + ("" if status.exact else " (per-topic counts of the other statuses: --exact)")
         )
     lines.append("")

@@ -260,7 +260,7 @@ def _relay_access_problem(config: object) -> Callable[[sa.Engine], str | None]:
                     # The newest revision's column: a table not upgraded yet is refused
                     # here, in one line, not by the first batch.
                     " EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = t.oid"
-                    " AND attname = 'generation' AND NOT attisdropped)"
+                    " AND attname = 'deliver_at' AND NOT attisdropped)"
                     " FROM (SELECT to_regclass(:name) AS oid) AS t"
                 ),
                 {"name": spec.qualified_name},

@@ -58,6 +58,21 @@ class RelayMetrics:
             " shards wait until the lock goes)",
             registry=r,
         )
+        self.scheduled = Gauge(
+            "outbox_relay_scheduled",
+            "Scheduled messages waiting in the table (counted once a minute)",
+            registry=r,
+        )
+        self.scheduled_overdue = Gauge(
+            "outbox_relay_scheduled_overdue",
+            "Scheduled messages due more than a second ago and not pending yet",
+            registry=r,
+        )
+        self.promoted = Counter(
+            "outbox_relay_promoted",
+            "Scheduled messages this relay made pending when they were due",
+            registry=r,
+        )
         self.order_gaps = Counter(
             "outbox_relay_order_gaps",
             "Messages acknowledged after an earlier message of their key failed (never expected)",

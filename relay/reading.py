@@ -56,6 +56,8 @@ class BatchReading(RelayState):
         for one read.
         """
         assert self._ownership is not None and self._publisher is not None
+        assert self._reader is not None
+        self._due.promote(self._ownership.owned, self._reader, self._owner_key)
         owned = sorted(self._ownership.owned)
         busy = {shard for shards, _, _ in self._busy_shards.values() for shard in shards}
         busy |= self._take_overs.shards

@@ -4,7 +4,8 @@ Invariant: a relay that sleeps watched (it holds the wake lock, so writers notif
 and has not stepped aside; one that owns none holds no wake lock (``WakeUp.away``), since
 writers would otherwise notify at every commit while the others work. A relay sleeps only when
 its last step found no work (nothing read, in flight or being recorded), never past its next
-rebalance or its poll interval, and no longer than :data:`HELD_RELOOK_SECONDS` while an
+rebalance, its poll interval or the next due scheduled message of its shards
+(:mod:`outbox.relay.promotion`), and no longer than :data:`HELD_RELOOK_SECONDS` while an
 immediate sender holds rows of its shards: the sender's mark wakes nobody, and the later rows
 of the held keys may go once it lands.
 
@@ -49,8 +50,9 @@ class Sleeping(RelayState):
     def _idle_timeout(self) -> float:
         """How long an idle relay that owns shards may sleep: while an immediate sender holds
         rows of them, a short while only. Its mark, an UPDATE, wakes nobody, and the later
-        rows of the held keys (given back, or written without immediate send) may go then."""
-        timeout = self._sleep_timeout()
+        rows of the held keys (given back, or written without immediate send) may go then.
+        It sleeps no longer than until the next scheduled message of its shards is due."""
+        timeout = self._due.sleep_bound(self._sleep_timeout())
         assert self._ownership is not None and self._reader is not None
         if timeout > HELD_RELOOK_SECONDS and self.store.leases_held(
             sorted(self._ownership.owned), self._reader

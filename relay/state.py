@@ -28,6 +28,7 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.observability import HealthState, RelayMetrics
 from outbox.relay.ownership import ShardOwnership
 from outbox.relay.producers import TRANSACTION_MARGIN_MS, BatchPublisher, InFlight
+from outbox.relay.promotion import ScheduledPromotion
 from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
 from outbox.relay.store import Failure, HeldRow, PendingRow, RelayStore
@@ -80,6 +81,8 @@ class RelayState:
             self.engine, config.spec, self.owner, config.delete_on_send
         )
         self.metrics = metrics or RelayMetrics()
+        #: Due scheduled messages are made pending before a read (see outbox.relay.promotion).
+        self._due = ScheduledPromotion(config.spec, self.metrics)
         # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
         # be resumed until its transaction times out, without the loop turning.
         self.health = HealthState(

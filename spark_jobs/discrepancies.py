@@ -21,11 +21,13 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
-from outbox.schema import DEAD, PENDING, PREPARED, ROLLED_BACK, SENT
+from outbox.schema import CANCELLED, DEAD, PENDING, PREPARED, ROLLED_BACK, SCHEDULED, SENT
 from outbox.spark_jobs import classes
 from outbox.spark_jobs.window import AuditWindow
 
-#: The outbox side, as read over JDBC: one row per outbox message.
+#: The outbox side, as read over JDBC: one row per outbox message. ``created_at`` is when it
+#: could first be sent: committed (a prepared message's commit, a scheduled one's turn to be
+#: pending), or, for a message still scheduled, when it is due.
 OUTBOX_COLUMNS = (
     "message_id",
     "topic",
@@ -150,9 +152,10 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
         "/", o["topic"], o["kafka_partition"].cast("string"), o["kafka_offset"].cast("string")
     )
     sent = o["status"] == SENT
-    # A prepared message is not committed (yet); a rolled-back one never was: a record of
-    # either on a topic is a phantom, as much as one without a row.
-    uncommitted = o["status"].isin(PREPARED, ROLLED_BACK)
+    # A prepared message is not committed (yet); a rolled-back one never was; a scheduled one
+    # is not due (yet), a cancelled one never will be: a record of any of them on a topic is
+    # a phantom, as much as one without a row.
+    uncommitted = o["status"].isin(PREPARED, ROLLED_BACK, SCHEDULED, CANCELLED)
     checkable = sent & (o["sent_at"] < F.lit(rules.checked_until))
     on_own_topic = F.exists(copies, lambda c: c["topic"] == o["topic"])
     at_recorded = F.exists(
@@ -176,6 +179,8 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
             F.concat(
                 F.when(o.isNull(), F.lit("no outbox row"))
                 .when(o["status"] == ROLLED_BACK, F.lit("rolled back"))
+                .when(o["status"] == SCHEDULED, F.lit("scheduled, not pending yet"))
+                .when(o["status"] == CANCELLED, F.lit("cancelled"))
                 .otherwise(F.lit("prepared, not committed")),
                 F.lit("; at "),
                 found_at,
@@ -199,11 +204,15 @@ def _rules(rules: AuditRules) -> dict[str, tuple[Column, Column]]:
             checkable & o["kafka_partition"].isNotNull() & on_own_topic & ~at_recorded,
             F.concat(F.lit("recorded at "), recorded, F.lit(", found at "), found_at),
         ),
+        # A scheduled message waits from when it is due: one not due yet is never stuck.
         STUCK: (
-            o["status"].isin(PENDING, DEAD, PREPARED)
+            o["status"].isin(PENDING, DEAD, PREPARED, SCHEDULED)
             & (waited > rules.stuck_after.total_seconds()),
             F.concat(
-                o["status"], F.lit(" for "), F.round(waited).cast("long").cast("string"), F.lit("s")
+                F.when(o["status"] == SCHEDULED, F.lit("scheduled, due")).otherwise(o["status"]),
+                F.lit(" for "),
+                F.round(waited).cast("long").cast("string"),
+                F.lit("s"),
             ),
         ),
         LATE: (
@@ -304,7 +313,8 @@ def duplicates(matched: DataFrame, rules: AuditRules) -> DataFrame:
 
 def phantoms(matched: DataFrame, rules: AuditRules) -> DataFrame:
     """Records carrying an outbox id that has no committed outbox row: no row at all, or a
-    prepared message not committed (yet), or one rolled back."""
+    prepared message not committed (yet), or one rolled back, or a scheduled message not
+    pending yet, or one cancelled."""
     return find(matched, rules, [PHANTOM])
 
 
@@ -326,7 +336,7 @@ def offset_mismatches(matched: DataFrame, rules: AuditRules) -> DataFrame:
 def stuck(matched: DataFrame, rules: AuditRules) -> DataFrame:
     """Pending, dead or prepared (waiting for a verdict) for longer than
     ``rules.stuck_after``: a prepared message counts from when it was prepared, a committed
-    one from its commit."""
+    one from its commit; a scheduled one still scheduled from when it is due."""
     return find(matched, rules, [STUCK])
 
 

@@ -69,7 +69,9 @@ def outbox_query(spec: OutboxTableSpec, topics: Sequence[str] | None) -> str:
         names = ", ".join(f"'{validate_topic(t)}'" for t in topics)  # legal names need no quoting
         where = f" WHERE topic IN ({names})"
     return (
-        "(SELECT id AS message_id, topic, key, md5(value) AS value_hash, status, created_at,"
+        "(SELECT id AS message_id, topic, key, md5(value) AS value_hash, status,"
+        # A message still scheduled waits from when it is due (see OUTBOX_COLUMNS).
+        " CASE WHEN status = 'scheduled' THEN deliver_at ELSE created_at END AS created_at,"
         " sent_at, kafka_partition, kafka_offset"
         f' FROM "{spec.schema}"."{spec.table}"{where}) AS outbox'
     )

@@ -29,7 +29,7 @@ import math
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeAlias
 
 import sqlalchemy as sa
@@ -41,7 +41,7 @@ from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer, parse_ans
 from outbox.prepared.checkers import validate_group
 from outbox.prepared.store import CHECK, EXPIRED, PRODUCER, UNRESOLVED, PreparedStore
 from outbox.publisher import Outbox
-from outbox.schema import DEAD, PENDING, ROLLED_BACK, SENT
+from outbox.schema import CANCELLED, DEAD, PENDING, ROLLED_BACK, SCHEDULED, SENT
 from outbox.tracing import current_trace_headers
 from outbox.validation import HeadersLike, KeyLike
 
@@ -54,6 +54,9 @@ DEFAULT_CHECK_AFTER = 60.0
 #: The longest check_after (ten years): more is a mistake, and overflows the database's
 #: interval arithmetic.
 MAX_CHECK_AFTER = 10 * 365 * 86400.0
+
+#: Where a committed message may stand (a scheduled one may be cancelled after its commit).
+COMMITTED = (PENDING, SENT, SCHEDULED, CANCELLED)
 
 LocalTransaction: TypeAlias = Callable[[uuid.UUID], "Answer | str"]
 AsyncLocalTransaction: TypeAlias = Callable[[uuid.UUID], "Answer | str | Awaitable[Answer | str]"]
@@ -149,6 +152,8 @@ class PreparedMessages:
         check_after: float | timedelta | None = None,
         type: str | None = None,
         subject: str | None = None,
+        deliver_after: float | timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> Prepared:
         """Write a prepared message in a transaction of its own and commit it.
 
@@ -159,8 +164,20 @@ class PreparedMessages:
         ``check_after`` a :class:`~outbox.errors.ConfigError`) before anything is written.
         With a CloudEvents envelope, ``type`` and ``subject`` are the event's, and its
         ``time`` is the time of ``prepare()``.
+        ``deliver_after``/``deliver_at`` (counted from now) schedule it: committed before
+        it is due, it waits as a scheduled message (docs/scheduled.md).
         """
-        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
+        message = Message(
+            topic,
+            value,
+            key,
+            headers,
+            idempotency_key,
+            deliver_after,
+            deliver_at,
+            type=type,
+            subject=subject,
+        )
         return self._insert_sync(*self._checked(message, group, check_after))
 
     async def aprepare(
@@ -175,9 +192,21 @@ class PreparedMessages:
         check_after: float | timedelta | None = None,
         type: str | None = None,
         subject: str | None = None,
+        deliver_after: float | timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> Prepared:
         """The asyncio version of :meth:`prepare`."""
-        message = Message(topic, value, key, headers, idempotency_key, type=type, subject=subject)
+        message = Message(
+            topic,
+            value,
+            key,
+            headers,
+            idempotency_key,
+            deliver_after,
+            deliver_at,
+            type=type,
+            subject=subject,
+        )
         return await self._insert_async(*self._checked(message, group, check_after))
 
     # -- commit and rollback ------------------------------------------------------------------
@@ -367,7 +396,7 @@ def already_decided(
         status = None if row is None else row["status"]
         raise NotPrepared(f"no prepared message {message_id}", message_id=message_id, status=status)
     status = row["status"]
-    committed = status in (PENDING, SENT) or (status == DEAD and row["error_kind"] != UNRESOLVED)
+    committed = status in COMMITTED or (status == DEAD and row["error_kind"] != UNRESOLVED)
     if (answer is COMMIT and committed) or (answer is ROLLBACK and status == ROLLED_BACK):
         return
     decided = "committed" if committed else "rolled back"
@@ -396,7 +425,7 @@ def _existing(
     if row is not None and row["prepared_at"] is None:  # a plain message: it was written
         committed = True
     else:
-        committed = status in (PENDING, SENT) or (
+        committed = status in COMMITTED or (
             status == DEAD and row is not None and row["error_kind"] != UNRESOLVED
         )
     if committed:

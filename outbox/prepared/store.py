@@ -88,7 +88,9 @@ class PreparedStore:
         """Insert a prepared message; returns its id and whether its idempotency key was
         stored already (then nothing was written and the id is the earlier message's)."""
         params: dict[str, Any] = {name: encoded.row.get(name) for name in _INSERTED_COLUMNS}
-        params.update(check_group=check_group, check_after=check_after)
+        params.update(
+            check_group=check_group, check_after=check_after, deliver_at=encoded.deliver_at
+        )
         # Twice at most: the row holding the key may be rolled back (and give the key up)
         # between the insert that found it and the look for it.
         for _ in range(2):

@@ -16,7 +16,13 @@ from click.testing import CliRunner
 from outbox import Outbox, migrate
 from outbox.cli import main
 from outbox.errors import OutboxError
-from outbox.partition_layout import create_range, list_partitions, period_start
+from outbox.partition_layout import (
+    SCHEDULED_INDEX_DEFINITION,
+    build_index_concurrently,
+    create_range,
+    list_partitions,
+    period_start,
+)
 from outbox.partition_retention import maintain
 from outbox.schema import DEFAULT_SPEC
 
@@ -63,9 +69,12 @@ def insert(
         conn.execute(
             sa.text(
                 "INSERT INTO outbox (id, shard, topic, key, value, status, idempotency_key, "
-                "created_at, sent_at, prepared_at, check_group) VALUES (:id, 0, 'orders', :mk, "
-                "'x', :status, :key, :made, :sent, CASE WHEN :status = 'prepared' THEN :made END,"
-                " CASE WHEN :status = 'prepared' THEN 'g' END)"
+                "created_at, sent_at, prepared_at, check_group, deliver_at, resolved_at) "
+                "VALUES (:id, 0, 'orders', :mk, 'x', :status, :key, :made, :sent, "
+                "CASE WHEN :status = 'prepared' THEN :made END, "
+                "CASE WHEN :status = 'prepared' THEN 'g' END, "
+                "CASE WHEN :status IN ('scheduled', 'cancelled') THEN now() + interval '1 day' "
+                "END, CASE WHEN :status IN ('rolled_back', 'cancelled') THEN :made END)"
             ),
             {
                 "id": row_id,
@@ -105,6 +114,95 @@ def test_the_migration_makes_daily_partitions_ahead_and_a_default(engine: sa.Eng
     with Outbox(engine).transaction() as tx:
         result = tx.publish("orders", {"n": 1})
     assert partition_of(engine, result.message_id) == f"outbox_p{today:%Y%m%d}"
+
+
+def scheduled_index_state(conn: sa.Connection) -> tuple[bool, list[str]]:
+    """Whether the scheduled index is valid, and the partitions without their part of it."""
+    valid = conn.execute(
+        sa.text(
+            "SELECT x.indisvalid FROM pg_index AS x "
+            "WHERE x.indexrelid = to_regclass('outbox_scheduled_idx')"
+        )
+    ).scalar_one()
+    unindexed = conn.execute(
+        sa.text(
+            "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'outbox'::regclass AND NOT EXISTS ("
+            " SELECT 1 FROM pg_inherits AS j JOIN pg_index AS x ON x.indexrelid = j.inhrelid"
+            " WHERE j.inhparent = 'outbox_scheduled_idx'::regclass AND x.indrelid = c.oid)"
+        )
+    ).scalars()
+    return bool(valid), list(unindexed)
+
+
+def test_the_scheduled_index_covers_every_partition_and_the_relay_reads_through_it(
+    engine: sa.Engine,
+) -> None:
+    # Revision 0010 ran on the partitioned table (0009): built partition by partition.
+    add_day(engine, NOW - 10 * DAY)  # a partition made after it gets the index too
+    with engine.connect() as conn:
+        kind = conn.execute(
+            sa.text("SELECT relkind FROM pg_class WHERE relname = :n"),
+            {"n": "outbox_scheduled_idx"},
+        )
+        assert kind.scalar_one() == "I"  # a partitioned index
+        assert scheduled_index_state(conn) == (True, [])  # valid: every partition's attached
+    with Outbox(engine).transaction() as tx:
+        later = tx.publish("orders", {"n": 1}, key="k", deliver_after=3600).message_id
+    with engine.connect() as conn:
+        status = conn.execute(sa.text("SELECT status FROM outbox WHERE id = :id"), {"id": later})
+        assert status.scalar_one() == "scheduled"
+        conn.execute(sa.text("SET enable_seqscan = off"))  # a few rows: only whether it can
+        plan = conn.execute(
+            sa.text(
+                "EXPLAIN SELECT id FROM outbox WHERE status = 'scheduled' AND shard = 0 "
+                "AND deliver_at <= now() ORDER BY deliver_at, seq LIMIT 10"
+            )
+        ).scalars()
+        assert "scheduled_idx" in "\n".join(plan)
+
+
+def test_revision_0010_on_a_partitioned_table_made_by_maintenance_too(database_url: str) -> None:
+    migrate.upgrade(database_url, revision="0009_partitioned_layout", partitioned="daily")
+    engine = sa.create_engine(database_url)
+    try:
+        made = add_day(engine, NOW - 3 * DAY)  # as maintenance makes one: LIKE, then ATTACH
+        migrate.upgrade(database_url)
+        waiting = insert(engine, NOW - 3 * DAY, "scheduled")  # the new status is accepted
+        assert partition_of(engine, waiting) == made
+        with engine.connect() as conn:
+            assert scheduled_index_state(conn) == (True, [])
+        # Interrupted after one partition's index was built, before it was attached: run
+        # again, the build finishes the job.
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("DROP INDEX outbox_scheduled_idx"))
+            conn.execute(
+                sa.text(
+                    f'CREATE INDEX "{made}_scheduled_idx" ON "{made}" {SCHEDULED_INDEX_DEFINITION}'
+                )
+            )
+            build_index_concurrently(
+                conn, DEFAULT_SPEC, "scheduled_idx", SCHEDULED_INDEX_DEFINITION
+            )
+            assert scheduled_index_state(conn) == (True, [])
+        with pytest.raises(Exception, match="holds scheduled messages"):
+            migrate.downgrade(database_url, revision="0009_partitioned_layout")
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE outbox SET status = 'sent', sent_at = now()"))
+        migrate.downgrade(database_url, revision="0009_partitioned_layout")
+        with engine.connect() as conn:
+            kind = conn.execute(sa.text("SELECT relkind FROM pg_class WHERE relname = 'outbox'"))
+            assert kind.scalar_one() == "p"
+            column = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox'::regclass "
+                    "AND attname = 'deliver_at' AND NOT attisdropped"
+                )
+            )
+            assert column.scalar_one() == 0
+        migrate.upgrade(database_url)  # and up again
+    finally:
+        engine.dispose()
 
 
 def test_idempotency_keys_stay_unique_across_partitions(engine: sa.Engine) -> None:
@@ -154,19 +252,21 @@ def test_retention_drops_done_partitions_and_keeps_one_with_a_pending_row(
 ) -> None:
     done, busy = NOW - 10 * DAY, NOW - 9 * DAY
     done_name, busy_name = add_day(engine, done), add_day(engine, busy)
+    waiting = NOW - 8 * DAY
+    waiting_name = add_day(engine, waiting)
     insert(engine, done, "sent", sent=done, key="gone")
     insert(engine, done, "rolled_back", sent=None)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text("UPDATE outbox SET resolved_at = created_at WHERE status = 'rolled_back'")
-        )
+    insert(engine, done, "cancelled", sent=None)  # a cancelled scheduled message is done
     insert(engine, busy, "sent", sent=busy)
     pending = insert(engine, busy, "pending")
+    insert(engine, waiting, "sent", sent=waiting)
+    scheduled = insert(engine, waiting, "scheduled")  # waits for its time: not done
     report = maintain(engine, timedelta(days=7))
     assert report.dropped == [done_name]
-    assert busy_name in report.kept
+    assert busy_name in report.kept and waiting_name in report.kept
     assert done_name not in names(engine) and busy_name in names(engine)
     assert partition_of(engine, pending) == busy_name
+    assert partition_of(engine, scheduled) == waiting_name
     # The dropped rows' idempotency key is given up, as a purge gives it up.
     with Outbox(engine).transaction() as tx:
         assert not tx.publish("orders", {}, idempotency_key="gone").duplicate
@@ -180,6 +280,7 @@ def test_carry_moves_rows_not_done_with_their_ids_and_order(engine: sa.Engine) -
         insert(engine, old, "pending", message_key=b"k", key="p1"),
         insert(engine, old, "dead", message_key=b"k"),
         insert(engine, old, "prepared", key="p2"),
+        insert(engine, old, "scheduled", message_key=b"k"),
         insert(engine, old, "sent", sent=NOW - DAY),  # sent after the cut-off: not done
     ]
     later = insert(engine, NOW, "pending", message_key=b"k")
@@ -187,7 +288,7 @@ def test_carry_moves_rows_not_done_with_their_ids_and_order(engine: sa.Engine) -
         before = conn.execute(sa.text("SELECT id, seq, status FROM outbox ORDER BY seq")).all()
     report = maintain(engine, timedelta(days=7), carry=True)
     assert report.dropped == [old_name]
-    assert report.carried == {old_name: 4}
+    assert report.carried == {old_name: 5}
     with engine.connect() as conn:
         after = conn.execute(sa.text("SELECT id, seq, status FROM outbox ORDER BY seq")).all()
     assert after == [row for row in before if row.id in {*rows, later}]

@@ -798,7 +798,7 @@ def test_checkback_refuses_a_table_without_revision_0004(database_url: str) -> N
 SERVICE_GRANTS = """
 GRANT USAGE ON SCHEMA public TO {role};
 GRANT INSERT ON public.outbox TO {role};
-GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by)
+GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by, deliver_at)
    ON public.outbox TO {role};
 GRANT UPDATE (status, seq, created_at, resolved_at, resolved_by, next_check_at, lease_owner,
               lease_until, attempts, next_attempt_at, error_kind, last_error,

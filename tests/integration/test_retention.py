@@ -109,3 +109,20 @@ def test_the_audit_horizon_is_the_start_of_the_previous_utc_day_less_the_grace(
     # The nightly audit's own window: the purge guard must never disagree with it.
     assert audit_horizon(moment) == AuditWindow.yesterday(moment).read_from
     assert AuditWindow.yesterday(moment).grace == AUDIT_GRACE
+
+
+def test_cancelled_scheduled_messages_go_but_scheduled_ones_never(engine: sa.Engine) -> None:
+    from outbox.scheduled import ScheduledMessages
+
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        doomed = tx.publish("orders", 1, deliver_after=3600).message_id
+        tx.publish("orders", 2, deliver_after=3600)
+    ScheduledMessages(ob).cancel(doomed)
+    later = datetime.now(UTC) + timedelta(seconds=5)
+    assert purge_sent(engine, timedelta(seconds=1), now=later, dry_run=True) == 1
+    assert purge_sent(engine, timedelta(seconds=1), now=later) == 1
+    assert counts(engine) == {"scheduled": 1}
+    # However old, a message waiting for its time stays.
+    assert purge_sent(engine, timedelta(0), now=later + timedelta(days=30)) == 0
+    assert counts(engine) == {"scheduled": 1}

@@ -33,6 +33,7 @@ from outbox.chaos.schedule import (
     plan,
 )
 from outbox.chaos.verdict import ConsumingFindings, Findings
+from outbox.chaos.visibility import MadeBy, Snapshot
 from outbox.chaos.writers import read_journal
 from outbox.schema import SHARD_COUNT
 from outbox.spark_jobs import discrepancies as d
@@ -151,6 +152,70 @@ def test_a_key_split_across_partitions_is_a_violation_and_phantoms_are_not_order
     ]
     found = order_violations(records, rows)
     assert len(found) == 1 and "partition" in found[0]
+
+
+def test_a_snapshot_tells_which_transactions_had_ended() -> None:
+    seen = Snapshot.parse("100:105:100,103")
+    assert [x for x in range(98, 107) if seen.ended(x)] == [98, 99, 101, 102, 104]
+    assert Snapshot.parse("7:7:") == Snapshot(7, 7, frozenset())
+
+
+# A writer's transaction 10 writes w (seq 1) and is still open when the relay's promotion,
+# transaction 11, gives a due scheduled message p seq 2 (10 is in its snapshot's running
+# list); and a writer's transaction 21 writes w2 (seq 4) while promotion 20 of p2 (seq 3) is
+# still open. Neither pair took turns.
+OPEN_WRITER = MadeBy(10, Snapshot(10, 11, frozenset({10})))
+PROMOTION_PAST_IT = MadeBy(11, Snapshot(10, 12, frozenset({10})))
+OPEN_PROMOTION = MadeBy(20, Snapshot(20, 21, frozenset({20})))
+WRITER_PAST_IT = MadeBy(21, Snapshot(20, 22, frozenset({20})))
+# Promotion 11 again, had writer 10 committed before it wrote.
+PROMOTION_AFTER = MadeBy(11, Snapshot(11, 12, frozenset()))
+
+
+def _overlapping() -> tuple[list[uuid.UUID], dict[uuid.UUID, RowFacts]]:
+    w, p, p2, w2 = _ids(4)
+    return [w, p, p2, w2], {
+        w: RowFacts(1, "t", b"k", OPEN_WRITER),
+        p: RowFacts(2, "t", b"k", PROMOTION_PAST_IT),
+        p2: RowFacts(3, "t", b"k", OPEN_PROMOTION),
+        w2: RowFacts(4, "t", b"k", WRITER_PAST_IT),
+    }
+
+
+def test_messages_of_overlapping_transactions_may_come_either_way() -> None:
+    (w, p, p2, w2), rows = _overlapping()
+    # p went before w: w's transaction had not committed when the relay sent p; w2 before p2:
+    # p2's promotion had not committed when w2 was sent.
+    records = [TopicRecord(m, "t", 0, n, b"k") for n, m in enumerate([p, w, w2, p2])]
+    unordered: list[str] = []
+    assert order_violations(records, rows, unordered) == []
+    assert len(unordered) == 2 and "overlapped" in unordered[0]
+    # Taken by seq alone (no transactions known), as the audit did before: two violations.
+    bare = {m: RowFacts(f.seq, f.topic, f.key) for m, f in rows.items()}
+    assert len(order_violations(records, bare)) == 2
+    applied = audit_applied(
+        [Application(m, "t", "k", n) for n, m in enumerate([p, w, w2, p2], start=1)], rows
+    )
+    assert applied.order == []
+
+
+def test_a_message_overtaken_after_it_had_committed_is_a_violation() -> None:
+    (w, p, p2, _), rows = _overlapping()
+    rows[p] = RowFacts(2, "t", b"k", PROMOTION_AFTER)  # w had committed: p must follow it
+    records = [TopicRecord(m, "t", 0, n, b"k") for n, m in enumerate([p, w, p2])]
+    found = order_violations(records, rows)
+    assert len(found) == 1 and str(w) in found[0] and f"after {p} (seq 2)" in found[0]
+    applied = audit_applied(
+        [Application(m, "t", "k", n) for n, m in enumerate([p, w, p2], start=1)], rows
+    )
+    assert len(applied.order) == 1
+
+
+def test_messages_of_one_transaction_come_in_seq_order() -> None:
+    a, b = _ids(2)
+    rows = {a: RowFacts(1, "t", b"k", OPEN_WRITER), b: RowFacts(2, "t", b"k", OPEN_WRITER)}
+    records = [TopicRecord(b, "t", 0, 0, b"k"), TopicRecord(a, "t", 0, 1, b"k")]
+    assert len(order_violations(records, rows)) == 1
 
 
 def test_partition_ends_are_one_past_the_last_record_read() -> None:

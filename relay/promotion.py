@@ -1,0 +1,138 @@
+"""Scheduled messages fall in line: the relay makes the due scheduled rows of its shards pending.
+
+A scheduled row (status ``scheduled``, see docs/scheduled.md) is not in the pending index, so
+the relay's read never sees it, however many wait. Before it reads, the relay makes the due
+scheduled rows of the shards it owns pending, each with a new seq, in the order they fell due
+(then their old seq), in one short transaction on its reading session: they take their place
+in their keys' order then, as committed prepared messages do. With nothing due that costs
+two probes of the scheduled index per shard (its due end, and the first entry ahead).
+
+The look is made at most every :data:`PROMOTE_INTERVAL` seconds (a busy relay reads every few
+milliseconds), and at once when the next due time it learned has come or its shards changed.
+An idle relay sleeps no longer than until that time: it wakes for the next due message instead
+of polling for it. When a look was skipped since the last one made (a commit woke the relay:
+it may have scheduled a message due sooner), the sleep ends at the next look allowed.
+
+Exactly-once needs nothing more: the promotion commits before the read that takes the rows,
+which are then pending rows like any other. A relay killed between the two leaves them pending
+for the next owner of their shard; none of them is in a progress record yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
+
+from outbox.queries import Queries
+from outbox.relay.observability import RelayMetrics
+from outbox.schema import SHARD_COUNT, OutboxTableSpec
+
+#: Least time, in seconds, between two looks for due scheduled rows (but see above): a message
+#: is made pending at most this long after it is due, by a relay that is busy.
+PROMOTE_INTERVAL = 0.1
+#: Most rows made pending by one look; more due are taken by the next look, at once.
+PROMOTE_LIMIT = 1000
+#: An idle relay wakes this long after the next due time: the database's clock decides.
+DUE_SLACK = 0.002
+#: Seconds between two counts of every scheduled row for the gauge (a count of a million
+#: takes a tenth of a second); overdue rows are counted at each refresh.
+COUNT_INTERVAL = 60.0
+
+
+class ScheduledPromotion:
+    """The due scheduled rows of one relay's shards, made pending before it reads."""
+
+    def __init__(
+        self,
+        spec: OutboxTableSpec,
+        metrics: RelayMetrics,
+        interval: float = PROMOTE_INTERVAL,
+        limit: int = PROMOTE_LIMIT,
+    ) -> None:
+        self.queries = Queries(spec)
+        self.metrics = metrics
+        self.interval = interval
+        self.limit = limit
+        dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+        self._due_sql = str(self.queries["due_scheduled"].compile(dialect=dialect))
+        self._promote_sql = str(self.queries["promote_scheduled"].compile(dialect=dialect))
+        self._shards: tuple[int, ...] = ()
+        #: Monotonic times: the next look allowed, and when the next scheduled row is due.
+        self._next_look = float("-inf")
+        self._next_due: float | None = None
+        #: A look was skipped since the last one made.
+        self._skipped = False
+        self._next_count = float("-inf")
+
+    def promote(
+        self,
+        shards: Collection[int],
+        session: psycopg.Connection,
+        owner_key: int | None,
+        now: float | None = None,
+    ) -> int:
+        """Make the due scheduled rows of ``shards`` pending, on ``session`` (autocommit, the
+        relay's reading session; ``owner_key`` as for the read: nothing is touched once the
+        owner session is gone). Returns how many; 0 when the look is not due yet."""
+        now = time.monotonic() if now is None else now
+        owned = tuple(sorted(shards))
+        due_now = self._next_due is not None and now >= self._next_due
+        if owned == self._shards and now < self._next_look and not due_now:
+            self._skipped = True
+            return 0
+        self._shards, self._skipped, self._next_look = owned, False, now + self.interval
+        self._next_due = None
+        if not owned:
+            return 0
+        rows = session.execute(
+            self._due_sql,
+            {
+                "shards": list(owned),
+                "limit": self.limit,
+                "owner_key": owner_key,
+                **self.queries.spec.owner_session_keys,
+            },
+        ).fetchall()
+        due = sorted((row for row in rows if row[0] is not None), key=lambda row: (row[1], row[2]))
+        waits = [float(row[3]) for row in rows if row[0] is None]
+        if len(due) >= self.limit:
+            self._next_due = now  # more are due: the next look takes them
+        elif waits:
+            self._next_due = now + max(0.0, waits[0]) + DUE_SLACK
+        if not due:
+            return 0
+        # One statement per row, in one transaction sent at once: each takes its new seq in
+        # this order (the order of an UPDATE's rows is the plan's, not the query's).
+        with session.transaction(), session.cursor() as cursor:
+            cursor.executemany(self._promote_sql, [{"id": row[0]} for row in due])
+            promoted = max(0, cursor.rowcount)
+        self.metrics.promoted.inc(promoted)
+        return promoted
+
+    def sleep_bound(self, timeout: float, now: float | None = None) -> float:
+        """``timeout``, cut to the next due time of the shards last looked at, and to the next
+        look allowed when one was skipped since the last look made."""
+        now = time.monotonic() if now is None else now
+        bounds = [timeout]
+        if self._next_due is not None:
+            bounds.append(self._next_due - now)
+        if self._skipped:
+            bounds.append(self._next_look - now)
+        return max(0.0, min(bounds))
+
+    def refresh_gauges(self, engine: sa.Engine, now: float | None = None) -> None:
+        """Count the table's overdue (and, once a minute, all its scheduled) messages into
+        the relay's gauges."""
+        now = time.monotonic() if now is None else now
+        with engine.connect() as conn:
+            overdue = conn.execute(self.queries["count_overdue"], {"shard_count": SHARD_COUNT})
+            self.metrics.scheduled_overdue.set(overdue.scalar_one())
+            if now >= self._next_count:
+                self._next_count = now + COUNT_INTERVAL
+                self.metrics.scheduled.set(
+                    conn.execute(self.queries["count_scheduled"]).scalar_one()
+                )
