@@ -1,17 +1,22 @@
 """Scheduled messages at their edges: a cancel that rolls back after the relay passed over its
-row, and a downgrade past revision 0010 with prepared messages that carry a time."""
+row, a downgrade past revision 0010 with prepared messages that carry a time, and cancels
+racing the promotion."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from collections import Counter
 
 import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, migrate
+from outbox.errors import NotScheduled
 from outbox.prepared import PreparedMessages
 from outbox.scheduled import ScheduledMessages
+from tests.integration.test_scheduled import promote_all
 from tests.relay_helpers import relay_config, running_relay, wait_for
 
 pytestmark = pytest.mark.integration
@@ -82,3 +87,47 @@ def test_the_downgrade_keeps_a_prepared_message_from_going_before_its_time(  # t
     assert status(engine, prepared.message_id) != "pending", (
         "due in an hour, pending now: the relay sends it at once"
     )
+
+
+def test_a_cancel_racing_the_promotion_either_wins_and_says_so_or_loses_and_says_so(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    ob = Outbox(engine)
+    with ob.transaction() as tx:
+        ids = [
+            tx.publish("orders", n, key=n % 7, deliver_after=3600).message_id for n in range(300)
+        ]
+    with engine.begin() as conn:  # due one after another over 1.5 s
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET deliver_at = now() + interval '5 milliseconds' "
+                "* (seq - (SELECT min(seq) FROM outbox))"
+            )
+        )
+    scheduled = ScheduledMessages(ob)
+    said: dict[uuid.UUID, str] = {}
+    stop = threading.Event()
+
+    def promote_until_stopped() -> None:
+        while not stop.is_set():
+            promote_all(ob.spec, outbox_url)
+
+    promoting = threading.Thread(target=promote_until_stopped)
+    promoting.start()
+    try:
+        for message_id in reversed(ids):  # the promotion walks forward, the cancels back
+            try:
+                scheduled.cancel(message_id)
+                said[message_id] = "cancelled"
+            except NotScheduled as refused:
+                said[message_id] = str(refused.status)
+    finally:
+        stop.set()
+        promoting.join(30)
+    with engine.connect() as conn:
+        query = sa.text("SELECT id, status FROM outbox WHERE id = ANY(:ids)")
+        found = {row.id: row.status for row in conn.execute(query, {"ids": ids})}
+    # They met: the first due were promoted, the last cancelled (measured 176/124, 211/89).
+    assert set(Counter(said.values())) == {"cancelled", "pending"}
+    assert said == found  # a cancel that said so is never sent; one refused left it pending
+    assert set(found.values()) <= {"cancelled", "pending"}
