@@ -1,6 +1,6 @@
 """Scheduled messages at their edges: a cancel that rolls back after the relay passed over its
 row, a downgrade past revision 0010 with prepared messages that carry a time, and cancels
-racing the promotion."""
+racing the promotion; the chaos audit on orders the promotion must keep."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, migrate
+from outbox.chaos import audit
+from outbox.chaos.visibility import RECORD_MADE_PENDING
+from outbox.chaos.writers import CREATE_BUSINESS_TABLE
 from outbox.errors import NotScheduled
 from outbox.prepared import PreparedMessages
 from outbox.scheduled import ScheduledMessages
 from tests.integration.test_scheduled import promote_all
+from tests.integration.test_scheduled_order import write
 from tests.relay_helpers import relay_config, running_relay, wait_for
 
 pytestmark = pytest.mark.integration
@@ -131,3 +135,39 @@ def test_a_cancel_racing_the_promotion_either_wins_and_says_so_or_loses_and_says
     assert set(Counter(said.values())) == {"cancelled", "pending"}
     assert said == found  # a cancel that said so is never sent; one refused left it pending
     assert set(found.values()) <= {"cancelled", "pending"}
+
+
+@pytest.fixture
+def audited(engine: sa.Engine) -> sa.Engine:
+    """The database with the chaos run's business table and made-pending record."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(CREATE_BUSINESS_TABLE))
+        for statement in RECORD_MADE_PENDING:
+            conn.execute(sa.text(statement))
+    return engine
+
+
+def planted(order: list[uuid.UUID], topic: str) -> list[audit.TopicRecord]:
+    """The messages as if the relay had sent them in this order (one partition, one key)."""
+    return [audit.TopicRecord(m, topic, 0, offset, b"k") for offset, m in enumerate(order)]
+
+
+def test_the_audit_counts_the_promotion_overtaking_what_it_must_follow_or_precede(  # type: ignore[no-untyped-def]
+    audited, outbox_url
+) -> None:
+    ob = Outbox(audited)
+    with audited.begin() as conn:  # committed before the promotion began
+        before = write(ob, conn, "orders", "before")
+    with audited.begin() as conn:
+        due = write(ob, conn, "orders", "due", deliver_after=3600)
+    with audited.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox SET deliver_at = now() WHERE id = :id"), {"id": due})
+    assert promote_all(ob.spec, outbox_url) == 1
+    with audited.begin() as conn:  # written after the promotion committed
+        after = write(ob, conn, "orders", "after")
+    rows = audit.row_facts(audited, ["orders"])
+    assert audit.order_violations(planted([before, due, after], "orders"), rows) == []
+    for wrong in ([due, before, after], [before, after, due]):
+        unordered: list[str] = []
+        assert len(audit.order_violations(planted(wrong, "orders"), rows, unordered)) == 1
+        assert unordered == []  # not taken for an inversion the promise allows
