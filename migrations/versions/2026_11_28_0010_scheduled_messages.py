@@ -89,19 +89,27 @@ def downgrade() -> None:
     spec = current_spec()
     table = f'"{spec.schema}"."{spec.table}"'
     check = f'"{spec.table}_status_check"'
+    lock_outbox_table(spec)
+    # Under the lock, so that no writer schedules one after the look. Not only scheduled rows:
+    # a prepared, dead or rolled-back message with a time still ahead would lose it with the
+    # column, and the earlier version's commit or retry would make it pending at once.
     op.execute(
         f"""
         DO $refuse$
         BEGIN
-            IF EXISTS (SELECT 1 FROM {table} WHERE status = 'scheduled') THEN
-                RAISE EXCEPTION '{spec.qualified_name} holds scheduled messages: wait until '
-                    'they are sent, or cancel them (outbox scheduled list), first';
+            IF EXISTS (
+                SELECT 1 FROM {table}
+                WHERE status = 'scheduled'
+                   OR (deliver_at > now() AND status NOT IN ('pending', 'sent', 'cancelled'))
+            ) THEN
+                RAISE EXCEPTION '{spec.qualified_name} holds messages not yet due (scheduled, '
+                    'or prepared, dead or rolled back with a deliver_at ahead): wait until '
+                    'they are due and sent, or cancel them (outbox scheduled list), first';
             END IF;
         END
         $refuse$
         """
     )
-    lock_outbox_table(spec)
     op.execute(f"DELETE FROM {table} WHERE status = 'cancelled'")
     op.execute(f'DROP INDEX IF EXISTS "{spec.schema}"."{spec.scheduled_index}"')
     op.execute(

@@ -185,7 +185,7 @@ def test_revision_0010_on_a_partitioned_table_made_by_maintenance_too(database_u
                 conn, DEFAULT_SPEC, "scheduled_idx", SCHEDULED_INDEX_DEFINITION
             )
             assert scheduled_index_state(conn) == (True, [])
-        with pytest.raises(Exception, match="holds scheduled messages"):
+        with pytest.raises(Exception, match="holds messages not yet due"):
             migrate.downgrade(database_url, revision="0009_partitioned_layout")
         with engine.begin() as conn:
             conn.execute(sa.text("UPDATE outbox SET status = 'sent', sent_at = now()"))

@@ -70,12 +70,6 @@ EARLIER_COMMIT = sa.text(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the downgrade refuses only scheduled rows and drops deliver_at: a prepared message "
-    "with a time still ahead is then committed pending by the earlier version, and sent "
-    "before its time",
-)
 def test_the_downgrade_keeps_a_prepared_message_from_going_before_its_time(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
