@@ -45,8 +45,9 @@ from outbox.errors import (
 if TYPE_CHECKING:
     from outbox.immediate import ImmediateSender
     from outbox.message import ID_HEADER, NO_KEY, Message, NoKey, PublishResult
-    from outbox.publisher import AsyncOutboxTransaction, Outbox, OutboxTransaction
+    from outbox.publisher import Outbox
     from outbox.serialization import BytesSerializer, JsonSerializer, Serializer
+    from outbox.transactions import AsyncOutboxTransaction, OutboxTransaction
 
 __version__ = "0.1.0"
 
@@ -100,9 +101,9 @@ _LAZY = {
     "Message": "outbox.message",
     "NoKey": "outbox.message",
     "PublishResult": "outbox.message",
-    "AsyncOutboxTransaction": "outbox.publisher",
+    "AsyncOutboxTransaction": "outbox.transactions",
     "Outbox": "outbox.publisher",
-    "OutboxTransaction": "outbox.publisher",
+    "OutboxTransaction": "outbox.transactions",
     "BytesSerializer": "outbox.serialization",
     "JsonSerializer": "outbox.serialization",
     "Serializer": "outbox.serialization",

@@ -38,6 +38,7 @@ from outbox.message import (
 from outbox.schema import OutboxTableSpec
 from outbox.serialization import JsonSerializer, Serializer
 from outbox.tracing import current_trace_headers
+from outbox.transactions import AsyncOutboxTransaction, OutboxTransaction
 from outbox.validation import HeadersLike, KeyLike
 
 if TYPE_CHECKING:
@@ -452,43 +453,6 @@ class Outbox:
         ids = session.info.pop(_SESSION_IDS_KEY, None)
         if ids and self.immediate is not None:
             self.immediate.submit(ids)
-
-
-class OutboxTransaction:
-    """The handle :meth:`Outbox.transaction` yields: its ``session`` plus publish methods."""
-
-    def __init__(self, outbox: Outbox, session: Session) -> None:
-        self.outbox = outbox
-        self.session = session
-
-    @property
-    def connection(self) -> Connection:
-        """The Connection of the transaction, for Core statements."""
-        return self.session.connection()
-
-    def publish(self, topic: str, value: Any = None, **options: Any) -> PublishResult:
-        """:meth:`Outbox.publish` in this transaction."""
-        return self.outbox.publish(self.session, topic, value, **options)
-
-    def publish_many(self, messages: Iterable[Message]) -> list[PublishResult]:
-        """:meth:`Outbox.publish_many` in this transaction."""
-        return self.outbox.publish_many(self.session, messages)
-
-
-class AsyncOutboxTransaction:
-    """The handle :meth:`Outbox.atransaction` yields: its ``session`` plus publish methods."""
-
-    def __init__(self, outbox: Outbox, session: AsyncSession) -> None:
-        self.outbox = outbox
-        self.session = session
-
-    async def publish(self, topic: str, value: Any = None, **options: Any) -> PublishResult:
-        """:meth:`Outbox.apublish` in this transaction."""
-        return await self.outbox.apublish(self.session, topic, value, **options)
-
-    async def publish_many(self, messages: Iterable[Message]) -> list[PublishResult]:
-        """:meth:`Outbox.apublish_many` in this transaction."""
-        return await self.outbox.apublish_many(self.session, messages)
 
 
 @contextmanager
