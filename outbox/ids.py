@@ -40,3 +40,17 @@ def uuid7() -> uuid.UUID:
 def uuid7_time_ms(value: uuid.UUID) -> int:
     """The Unix time in milliseconds that a UUIDv7 was made at."""
     return value.int >> 80
+
+
+def as_message_id(message_id: object) -> uuid.UUID:
+    """A message id given as a UUID or its string; anything else is a ``ConfigError``."""
+    from outbox.errors import ConfigError  # errors imports nothing of ours; kept local anyway
+
+    if isinstance(message_id, uuid.UUID):
+        return message_id
+    if isinstance(message_id, str):
+        try:
+            return uuid.UUID(message_id)
+        except ValueError:
+            pass
+    raise ConfigError(f"a message id is a UUID, got {message_id!r}")

@@ -36,6 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.errors import ConfigError, NotPrepared
+from outbox.ids import as_message_id
 from outbox.message import NO_KEY, EncodedMessage, Message, NoKey, encode_message
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer, parse_answer
 from outbox.prepared.checkers import validate_group
@@ -223,21 +224,21 @@ class PreparedMessages:
         answer to a ``NotPrepared`` after the step committed (docs/prepared-messages.md). A
         message rolled back by its producer or an operator still raises ``NotPrepared``.
         """
-        self._decide_sync(_as_uuid(message_id), COMMIT, after_rollback)
+        self._decide_sync(as_message_id(message_id), COMMIT, after_rollback)
 
     def rollback(self, message_id: uuid.UUID | str) -> None:
         """Roll a prepared message back: it is never published. Rolling back one already
         rolled back does nothing; one already committed raises
         :class:`~outbox.errors.NotPrepared` (it may be on its topic already)."""
-        self._decide_sync(_as_uuid(message_id), ROLLBACK)
+        self._decide_sync(as_message_id(message_id), ROLLBACK)
 
     async def acommit(self, message_id: uuid.UUID | str, *, after_rollback: bool = False) -> None:
         """The asyncio version of :meth:`commit`."""
-        await self._decide_async(_as_uuid(message_id), COMMIT, after_rollback)
+        await self._decide_async(as_message_id(message_id), COMMIT, after_rollback)
 
     async def arollback(self, message_id: uuid.UUID | str) -> None:
         """The asyncio version of :meth:`rollback`."""
-        await self._decide_async(_as_uuid(message_id), ROLLBACK)
+        await self._decide_async(as_message_id(message_id), ROLLBACK)
 
     # -- the one-call form --------------------------------------------------------------------
 
@@ -465,14 +466,3 @@ def _seconds(value: object) -> float:
             f"{MAX_CHECK_AFTER:g} (ten years), got {value!r}"
         )
     return float(seconds)
-
-
-def _as_uuid(message_id: object) -> uuid.UUID:
-    if isinstance(message_id, uuid.UUID):
-        return message_id
-    if isinstance(message_id, str):
-        try:
-            return uuid.UUID(message_id)
-        except ValueError:
-            pass
-    raise ConfigError(f"a message id is a UUID, got {message_id!r}")

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from outbox.binds import checked_connection, session_connection
 from outbox.errors import ConfigError, NotScheduled
+from outbox.ids import as_message_id
 from outbox.publisher import Outbox
 from outbox.scheduled.store import PRODUCER, ScheduledStore
 from outbox.schema import CANCELLED
@@ -54,7 +55,7 @@ class ScheduledMessages:
         the relay made it pending, it may be on its topic already), or no message at all,
         raises :class:`~outbox.errors.NotScheduled`, whose ``status`` says where it stands.
         """
-        wanted = _as_uuid(message_id)
+        wanted = as_message_id(message_id)
         if bind is None:
             with self.outbox.engine.begin() as conn:
                 return self._cancel(conn, wanted)
@@ -66,7 +67,7 @@ class ScheduledMessages:
         self, message_id: uuid.UUID | str, *, bind: AsyncSession | AsyncConnection | None = None
     ) -> None:
         """The asyncio version of :meth:`cancel`."""
-        wanted = _as_uuid(message_id)
+        wanted = as_message_id(message_id)
         if bind is None:
             async with self.outbox.async_engine.begin() as conn:
                 await conn.run_sync(lambda sync: self._cancel(sync, wanted))
@@ -114,14 +115,3 @@ class ScheduledMessages:
             message_id=message_id,
             status=status,
         )
-
-
-def _as_uuid(message_id: object) -> uuid.UUID:
-    if isinstance(message_id, uuid.UUID):
-        return message_id
-    if isinstance(message_id, str):
-        try:
-            return uuid.UUID(message_id)
-        except ValueError:
-            pass
-    raise ConfigError(f"a message id is a UUID, got {message_id!r}")

@@ -14,14 +14,15 @@ import sqlalchemy as sa
 
 from outbox import Outbox, migrate
 from outbox.chaos import audit
-from outbox.chaos.visibility import RECORD_MADE_PENDING
-from outbox.chaos.writers import CREATE_BUSINESS_TABLE
 from outbox.errors import NotScheduled
 from outbox.prepared import PreparedMessages
 from outbox.scheduled import ScheduledMessages
+from tests.integration import test_scheduled_order
 from tests.integration.test_scheduled import promote_all
 from tests.integration.test_scheduled_order import write
 from tests.relay_helpers import relay_config, running_relay, wait_for
+
+audited = test_scheduled_order.audited  # the fixture, shared
 
 pytestmark = pytest.mark.integration
 
@@ -129,16 +130,6 @@ def test_a_cancel_racing_the_promotion_either_wins_and_says_so_or_loses_and_says
     assert set(Counter(said.values())) == {"cancelled", "pending"}
     assert said == found  # a cancel that said so is never sent; one refused left it pending
     assert set(found.values()) <= {"cancelled", "pending"}
-
-
-@pytest.fixture
-def audited(engine: sa.Engine) -> sa.Engine:
-    """The database with the chaos run's business table and made-pending record."""
-    with engine.begin() as conn:
-        conn.execute(sa.text(CREATE_BUSINESS_TABLE))
-        for statement in RECORD_MADE_PENDING:
-            conn.execute(sa.text(statement))
-    return engine
 
 
 def planted(order: list[uuid.UUID], topic: str) -> list[audit.TopicRecord]:
