@@ -15,6 +15,8 @@ import threading
 import time
 import uuid
 
+from outbox.errors import ConfigError
+
 _SUB_MS_STEPS = 1 << 12
 _lock = threading.Lock()
 _last = 0  # (millisecond << 12) | fraction, of the last id made
@@ -44,8 +46,6 @@ def uuid7_time_ms(value: uuid.UUID) -> int:
 
 def as_message_id(message_id: object) -> uuid.UUID:
     """A message id given as a UUID or its string; anything else is a ``ConfigError``."""
-    from outbox.errors import ConfigError  # errors imports nothing of ours; kept local anyway
-
     if isinstance(message_id, uuid.UUID):
         return message_id
     if isinstance(message_id, str):
