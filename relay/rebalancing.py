@@ -81,7 +81,7 @@ class Rebalancing(RelayState):
         if now >= self._next_gauge:
             self._next_gauge = now + GAUGE_INTERVAL
             self.metrics.oldest_pending.set(self.store.oldest_pending_age())
-            self._due.refresh_gauges(self.engine)
+            self.store.refresh_gauges()
 
     def _take_over(self, shards: list[int]) -> None:
         """Start taking ``shards`` over in the background (see :mod:`outbox.relay.takeover`):

@@ -52,7 +52,7 @@ class Sleeping(RelayState):
         rows of them, a short while only. Its mark, an UPDATE, wakes nobody, and the later
         rows of the held keys (given back, or written without immediate send) may go then.
         It sleeps no longer than until the next scheduled message of its shards is due."""
-        timeout = self._due.sleep_bound(self._sleep_timeout())
+        timeout = self.store.sleep_bound(self._sleep_timeout())
         assert self._ownership is not None and self._reader is not None
         if timeout > HELD_RELOOK_SECONDS and self.store.leases_held(
             sorted(self._ownership.owned), self._reader

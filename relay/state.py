@@ -28,9 +28,9 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.observability import HealthState, RelayMetrics
 from outbox.relay.ownership import ShardOwnership
 from outbox.relay.producers import TRANSACTION_MARGIN_MS, BatchPublisher, InFlight
-from outbox.relay.promotion import ScheduledPromotion
 from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
+from outbox.relay.source import MessageSource
 from outbox.relay.store import Failure, HeldRow, PendingRow, RelayStore
 from outbox.relay.takeover import TakeOvers
 from outbox.relay.wakeup import WakeUp
@@ -67,7 +67,7 @@ class RelayState:
         config: RelayConfig,
         metrics: RelayMetrics | None = None,
         *,
-        store: RelayStore | None = None,
+        store: MessageSource | None = None,
         publisher: BatchPublisher | None = None,
     ) -> None:
         """``store`` and ``publisher`` default to the real ones made from ``config``; tests
@@ -77,12 +77,11 @@ class RelayState:
         # Not the hot path (that is the owner session): a stale pooled connection after a
         # database restart is replaced instead of failing a take-over or the gauge.
         self.engine = sender_engine(config.database_url, durable=False)
-        self.store = store or RelayStore(
-            self.engine, config.spec, self.owner, config.delete_on_send
-        )
         self.metrics = metrics or RelayMetrics()
-        #: Due scheduled messages are made pending before a read (see outbox.relay.promotion).
-        self._due = ScheduledPromotion(config.spec, self.metrics)
+        #: Where the messages come from: the loop knows it only as a MessageSource.
+        self.store: MessageSource = store or RelayStore(
+            self.engine, config.spec, self.owner, config.delete_on_send, self.metrics
+        )
         # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
         # be resumed until its transaction times out, without the loop turning.
         self.health = HealthState(

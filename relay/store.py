@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
+from outbox.relay.observability import RelayMetrics
+from outbox.relay.promotion import ScheduledPromotion
 from outbox.rows import (
     READ_COLUMNS,
     Failure,
@@ -66,18 +68,28 @@ def shard_window(batch_size: int, shards: int) -> int:
 
 
 class RelayStore(OutboxRows):
-    """Named queries of ``outbox/sql/queries.sql`` run for one relay (``name``).
+    """The outbox table as the relay's :class:`~outbox.relay.source.MessageSource`: named
+    queries of ``outbox/sql/queries.sql`` run for one relay (``name``).
 
     The relay writes nothing to a row before it is sent: the shard's advisory lock makes it the
     only relay reading the shard, and immediate senders lease their rows when they write them.
     """
 
     def __init__(
-        self, engine: sa.Engine, spec: OutboxTableSpec, name: str, delete_on_send: bool = False
+        self,
+        engine: sa.Engine,
+        spec: OutboxTableSpec,
+        name: str,
+        delete_on_send: bool = False,
+        metrics: RelayMetrics | None = None,
     ) -> None:
+        """``metrics``: the relay's, for the scheduled messages' gauges and counter (a
+        registry of its own by default)."""
         super().__init__(engine.url, spec, owner=None, delete_on_send=delete_on_send)
         self.engine = engine
         self.name = name
+        #: Due scheduled messages are made pending before a read (see outbox.relay.promotion).
+        self.promotion = ScheduledPromotion(spec, metrics or RelayMetrics())
         self._compiled: dict[str, str] = {}
         #: The sessions whose read_batch columns were checked against READ_COLUMNS.
         self._checked_readers: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
@@ -283,6 +295,21 @@ class RelayStore(OutboxRows):
             self._psycopg_sql("leases_held"), {"shards": list(shards)}
         ).fetchone()
         return row is not None and bool(row[0])
+
+    def before_read(
+        self, shards: Collection[int], session: psycopg.Connection, owner_key: int | None
+    ) -> None:
+        """Make the due scheduled rows of ``shards`` pending (at most every
+        ``PROMOTE_INTERVAL``), on the reading ``session``."""
+        self.promotion.promote(shards, session, owner_key)
+
+    def sleep_bound(self, timeout: float) -> float:
+        """``timeout``, cut to when the next scheduled row of the shards read is due."""
+        return self.promotion.sleep_bound(timeout)
+
+    def refresh_gauges(self) -> None:
+        """Count the overdue (and, once a minute, all) scheduled rows into the gauges."""
+        self.promotion.refresh_gauges(self.engine)
 
     @property
     def _read_batch_sql(self) -> str:

@@ -13,7 +13,9 @@ through random steps that hypothesis chooses and shrinks:
   of its shutdown run), a relay stopped (SIGTERM), a new relay taking its share of the
   shards, a relay's database sessions killed under it (it reconnects).
 
-The modes are drawn per run: at-least-once or exactly-once, and the batch size.
+The modes are drawn per run: at-least-once or exactly-once, the batch size, and whether the
+read's two optimizations are on (reads in groups behind a backlog, reads skipped while a look
+at the snapshot stands) or off: no guarantee may depend on them.
 
 After every step: no relay has two batches of a shard in flight, sends rows of a shard its
 owner session does not hold, or sends a row again that it was told Kafka has (its sessions
@@ -118,6 +120,7 @@ class RelayLoopModel(RuleBasedStateMachine):
         self.open_rows: list[tuple[uuid.UUID, bytes | None]] = []
         self.open_keys: set[int] = set()
         self.named = 0
+        self.optimized = True
         #: The steps of this run, for the message of a violation (a failure that depends on
         #: the relays' timing may not replay).
         self.trace: list[str] = []
@@ -132,10 +135,15 @@ class RelayLoopModel(RuleBasedStateMachine):
         mode=st.sampled_from(["at-least-once", "exactly-once"]),
         batch_size=st.sampled_from([3, 10, 100]),
         backlog=st.lists(st.lists(st.integers(0, KEYS - 1), min_size=1, max_size=4), max_size=8),
+        optimized=st.booleans(),
     )
-    def start(self, mode: str, batch_size: int, backlog: list[list[int]]) -> None:
-        """A relay, and rows for it to send (whichever rules a run leaves out)."""
+    def start(self, mode: str, batch_size: int, backlog: list[list[int]], optimized: bool) -> None:
+        """A relay, and rows for it to send (whichever rules a run leaves out); with or
+        without the read's optimizations (groups, skipped reads), which no guarantee may
+        depend on."""
         self.config = model_config(self.url, mode, batch_size)
+        self.optimized = optimized
+        self.figures["runs optimized" if optimized else "runs plain"] += 1
         self.kafka = ModelKafka(self.conninfo, OutboxTableSpec(), mode == "exactly-once")
         for keys in backlog:
             self.write(keys, commit=True, then=0)
@@ -254,7 +262,9 @@ class RelayLoopModel(RuleBasedStateMachine):
         self.trace.append(f"start_relay(then={then!r})")
         self.advance(then)
         self.named += 1
-        self.relays.append(ModelRelay(self.model, self.config, f"relay-{self.named}"))
+        self.relays.append(
+            ModelRelay(self.model, self.config, f"relay-{self.named}", self.optimized)
+        )
 
     @precondition(lambda self: self.relays)
     @rule(relay=st.integers(0, MOST_RELAYS - 1), landed=st.booleans(), then=THEN)
