@@ -102,13 +102,9 @@ class OutcomeMarking(RelayState):
         shards busy, so that nothing of them is read and sent again meanwhile."""
         session = free.get_nowait()
         try:
-            xid, held = self._try_mark(ended, session, owner_key)
+            held = self._try_mark(ended, session, owner_key)
         finally:
             free.put(session)
-        if xid is not None:
-            # Known as soon as it committed: the loop's next look may come before it collects
-            # this batch.
-            self._quiet.own(xid)
         ended.held = held
         return MARK_RETRY_SECONDS if held else None
 
@@ -151,22 +147,21 @@ class OutcomeMarking(RelayState):
         ended.unrecorded = (acks, failures)
         return MARK_RETRY_SECONDS
 
-    def _try_mark(
-        self, ended: Ended, session: psycopg.Connection, owner_key: int
-    ) -> tuple[int | None, list[HeldRow]]:
-        """One try of ``_mark``: the id of the transaction that marked, and the rows left."""
+    def _try_mark(self, ended: Ended, session: psycopg.Connection, owner_key: int) -> list[HeldRow]:
+        """One try of ``_mark``: the rows left, another transaction holding them."""
         if ended.held is None:
             try:
-                return self.store.mark_acked(ended.acks, session, owner_key), []
+                self.store.mark_acked(ended.acks, session, owner_key)
+                return []
             except psycopg.errors.LockNotAvailable:  # see MARK_LOCK_TIMEOUT_MS
                 self.metrics.marks_blocked.inc()
             held = [HeldRow(ack, self._rows[ack.id.int].shard, None) for ack in ended.acks]
         else:
             held = ended.held
         try:
-            xid, left = self.store.mark_unlocked([h.ack for h in held], session, owner_key)
+            left = self.store.mark_unlocked([h.ack for h in held], session, owner_key)
         except psycopg.errors.LockNotAvailable:
-            return None, held  # the table is locked (a migration, say): nothing was marked
+            return held  # the table is locked (a migration, say): nothing was marked
         if left and ended.held is None:
             log.warning(
                 "marking %d sent rows waits for row locks of other transactions (pids %s):"
@@ -178,7 +173,7 @@ class OutcomeMarking(RelayState):
             )
         elif not left and ended.held is not None:
             log.warning("marked the %d rows other transactions' row locks held back", len(held))
-        return xid, left
+        return left
 
     def _collect_recordings(self, block: bool) -> bool:
         """Finish the batches whose outcome the background recorded (with ``block``, every

@@ -9,12 +9,11 @@ messages go in order, also across retries.
 The owned shards are read in groups (a quarter of them each, :data:`READ_GROUPS`), in turn,
 while the relay is behind (its last read took as many rows as it may): one group is read while
 the others' batches are in flight or being marked. A relay that keeps up reads every idle shard
-at once, and skips a read that a look at the database snapshot shows would find nothing
-(:mod:`outbox.relay.quiet`).
+at once.
 
 Assumes: :mod:`outbox.relay.marking` keeps a batch's shards busy until its outcome is
-recorded (and the shards of rows another transaction holds locked until they are marked), and
-tells the look cache of the relay's own marks; :mod:`outbox.relay.rebalancing` lets a shard go
+recorded (and the shards of rows another transaction holds locked until they are marked);
+:mod:`outbox.relay.rebalancing` lets a shard go
 only with nothing of it in flight; the read itself reads nothing once the owner session is gone
 (:mod:`outbox.relay.sessions`).
 """
@@ -124,25 +123,9 @@ class BatchReading(RelayState):
 
     def _read(self, shards: list[int], group: int) -> list[PendingRow]:
         """The next rows of ``shards``; each shard's window is a group-read's (``group``
-        shards), however many shards are read.
-
-        Caught up, a read is skipped when a look found each of the shards empty and nothing
-        but the relay's own marks has committed since (see :mod:`outbox.relay.quiet`): most
-        reads of a relay that keeps up find nothing, and the snapshot costs the database a
-        fraction of a read."""
+        shards), however many shards are read."""
         size, per_shard = self._limits(len(shards), group)
-        if self._behind:
-            self._quiet.drop(shards)  # their rows may be taken and marked: no look stands
-            return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
-        assert self._reader is not None
-        snapshot = self.store.snapshot(self._reader)
-        now = time.monotonic()
-        if self._quiet.unchanged(shards, snapshot, now, per_shard):
-            return []
-        batch = self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
-        found = (row.shard for row in batch)
-        self._quiet.saw(shards, found, snapshot, now, len(batch) < size, per_shard)
-        return batch
+        return self.store.read_batch(shards, size, self._reader, per_shard, self._owner_key)
 
     def _limits(self, shards: int, group: int) -> tuple[int, int]:
         """The most rows a read of ``shards`` shards takes, in all and of one shard."""

@@ -198,7 +198,6 @@ class RelaySessions(RelayState):
         self._take_overs.ended(wait_for_all=True)  # their shards are let go below
         self._busy_shards.clear()
         self._rows.clear()
-        self._quiet.forget()
         if self._ownership is not None:
             lost = self._ownership.forget()
             if lost and self._publisher is not None:

@@ -19,8 +19,6 @@ What every source must keep, since the loop's guarantees stand on it:
 - **Recording.** A record returns once it is durable; what it cannot record yet (another
   transaction holds the row) it returns, to be tried again, and those messages' shards stay
   busy meanwhile. A failure (retry later, dead) holds its key back as ``read_batch`` says.
-- **Looks.** ``snapshot`` changes whenever anything that could add a message to read commits;
-  a source that cannot tell returns a new value each time (no read is ever skipped then).
 """
 
 from __future__ import annotations
@@ -57,10 +55,6 @@ class MessageSource(Protocol):
         ``batch_size`` in all and ``per_shard`` of one shard."""
         ...
 
-    def snapshot(self, connection: psycopg.Connection) -> str:
-        """A value that changes whenever anything that could add a message commits."""
-        ...
-
     def leases_held(self, shards: Sequence[int], connection: psycopg.Connection) -> bool:
         """Whether an immediate sender holds messages of ``shards`` (they go without a
         commit that wakes the relay)."""
@@ -74,16 +68,14 @@ class MessageSource(Protocol):
 
     def mark_acked(
         self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
-    ) -> int | None:
-        """Record ``acks`` as sent; the id of the transaction that did (see
-        :mod:`outbox.relay.quiet`), None when it changed nothing or the source has none."""
-        ...
+    ) -> None:
+        """Record ``acks`` as sent."""
 
     def mark_unlocked(
         self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
-    ) -> tuple[int | None, list[HeldRow]]:
+    ) -> list[HeldRow]:
         """Record those of ``acks`` nothing else holds, waiting for nothing; returns the
-        transaction's id and the messages left for a later try."""
+        messages left for a later try."""
         ...
 
     def record_unlocked(

@@ -8,7 +8,7 @@ state set up here, and call each other only through the steps declared at the en
 Invariant: the state is the loop's. It is changed on the loop's thread only, but for what
 other threads are handed explicitly: the recorder's workers (:mod:`outbox.relay.marking`)
 take a marking session from ``_free_markers`` and put it back, read ``_rows``, update the
-batch they record, and tell ``_quiet`` of the marks they committed; a take-over's thread
+batch they record; a take-over's thread
 (:mod:`outbox.relay.rebalancing`) is given its shards, the publisher and the store.
 """
 
@@ -28,7 +28,6 @@ from outbox.relay.config import RelayConfig
 from outbox.relay.observability import HealthState, RelayMetrics
 from outbox.relay.ownership import ShardOwnership
 from outbox.relay.producers import TRANSACTION_MARGIN_MS, BatchPublisher, InFlight
-from outbox.relay.quiet import QuietShards
 from outbox.relay.recording import OutcomeRecorder
 from outbox.relay.source import MessageSource
 from outbox.relay.store import Failure, HeldRow, PendingRow, RelayStore
@@ -121,8 +120,6 @@ class RelayState:
         #: The last read that found rows took as many as it may, in all or of one shard (a
         #: backlog): the next reads one group of shards.
         self._behind = False
-        #: Shards a look found empty, and as of which snapshot.
-        self._quiet = QuietShards()
         self._next_rebalance = 0.0
         self._next_gauge = 0.0
         self._failed_take_overs = 0

@@ -174,30 +174,28 @@ class RelayStore(OutboxRows):
 
     def mark_acked(
         self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
-    ) -> int | None:
+    ) -> None:
         """Mark ``acks`` sent (or delete them, keep-nothing) in one autocommit statement on
-        ``connection``; returns the id of the transaction that did (None: nothing changed), so
-        that the relay knows its own commits among those that change the snapshot (see
-        :mod:`outbox.relay.quiet`)."""
+        ``connection``."""
         ((name, params),) = self._outcome_statements(acks, ())
-        row = connection.execute(
-            self._marking_sql(name), {**params, "owner": None, "owner_key": owner_key}
-        ).fetchone()
-        return None if row is None or row[0] is None else int(row[0])
+        connection.execute(
+            self._psycopg_sql(name), {**params, "owner": None, "owner_key": owner_key}
+        )
 
     def mark_unlocked(
         self, acks: Sequence[Ack], connection: psycopg.Connection, owner_key: int | None
-    ) -> tuple[int | None, list[HeldRow]]:
+    ) -> list[HeldRow]:
         """Mark those of ``acks`` whose rows no other transaction holds locked, waiting for no
-        lock (one transaction on ``connection``); returns the id of the transaction and the
-        rows left unmarked, held by another transaction. Rows gone (deleted, or marked by the
+        lock (one transaction on ``connection``); returns the rows left unmarked, held by
+        another transaction. Rows gone (deleted, or marked by the
         shards' next owner) are not left: there is nothing to mark."""
         with connection.transaction():
             free, held = self._lock_unlocked([ack.id for ack in acks], connection)
             taken = [ack for ack in acks if ack.id in free]
-            xid = self.mark_acked(taken, connection, owner_key) if taken else None
+            if taken:
+                self.mark_acked(taken, connection, owner_key)
         by_id = {ack.id: ack for ack in acks}
-        return xid, [HeldRow(by_id[row_id], shard, pid) for row_id, shard, pid in held]
+        return [HeldRow(by_id[row_id], shard, pid) for row_id, shard, pid in held]
 
     def record_unlocked(
         self,
@@ -257,27 +255,6 @@ class RelayStore(OutboxRows):
             {"ids": literal, "free": id_array_literal(free)},
         ).fetchall()
         return free, [(row_id, shard, pid) for row_id, shard, pid in held]
-
-    def _marking_sql(self, name: str) -> str:
-        """``name``'s statement, returning the id of its transaction (counting the changed
-        rows first makes the change run before the id is asked for)."""
-        key = f"{name}+xid"
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = (
-                f"WITH changed AS ({self._psycopg_sql(name).rstrip().rstrip(';')} RETURNING 1) "
-                "SELECT pg_current_xact_id_if_assigned()::text "
-                "FROM (SELECT count(*) FROM changed) AS counted"
-            )
-        return compiled
-
-    @staticmethod
-    def snapshot(connection: psycopg.Connection) -> str:
-        """The database's current snapshot, as text: it changes whenever any transaction
-        commits (see :mod:`outbox.relay.quiet`)."""
-        row = connection.execute("SELECT pg_current_snapshot()::text").fetchone()
-        assert row is not None
-        return str(row[0])
 
     def owner_alive(self, session: psycopg.Connection, owner_key: int) -> bool:
         """Whether ``session`` sees the owner session that locked ``owner_key`` as alive."""

@@ -38,7 +38,6 @@ from outbox.records import OutboxRecord
 from outbox.relay.config import RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.relay.producers import InFlight
-from outbox.relay.quiet import QuietShards
 from outbox.schema import OutboxTableSpec
 from outbox.sending import Ack, BatchResult
 
@@ -455,15 +454,14 @@ class ModelRelay:
     def __init__(
         self, kafka: ModelKafka, config: RelayConfig, name: str, optimized: bool = True
     ) -> None:
-        """``optimized=False``: without the optimizations no guarantee may depend on (reads
-        in groups behind a backlog, reads skipped while a look stands)."""
+        """``optimized=False``: without the optimization no guarantee may depend on (reads
+        in groups behind a backlog)."""
         self.kafka = kafka
         self.name = name
         self.publisher = ModelPublisher(kafka, name)
         self.relay = Relay(config, publisher=self.publisher)
         if not optimized:
             self.relay.read_groups = 1
-            self.relay._quiet = QuietShards(quiet_for=0.0)  # no look stands: every read made
         self.publisher.owner = self.relay.owner[:63]
         self.thread = threading.Thread(target=self._run, name=f"model-{name}", daemon=True)
         self.thread.start()

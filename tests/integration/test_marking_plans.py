@@ -85,7 +85,7 @@ def test_a_mark_on_a_marking_session_uses_the_primary_key_where_the_pending_inde
         "owner_key": 1,
         **DEFAULT_SPEC.owner_session_keys,
     }
-    sql = relay.store._marking_sql(statement)  # as the relay runs it: with its transaction id
+    sql = relay.store._psycopg_sql(statement)  # as the relay runs it
     session = relay._open_session("plans/mark", marking=True)
     try:
         # The table is in the state that misleads the planner: with the status as a

@@ -14,8 +14,8 @@ through random steps that hypothesis chooses and shrinks:
   shards, a relay's database sessions killed under it (it reconnects).
 
 The modes are drawn per run: at-least-once or exactly-once, the batch size, and whether the
-read's two optimizations are on (reads in groups behind a backlog, reads skipped while a look
-at the snapshot stands) or off: no guarantee may depend on them.
+read's optimization is on (reads in groups behind a backlog) or off: no guarantee may depend
+on it.
 
 After every step: no relay has two batches of a shard in flight, sends rows of a shard its
 owner session does not hold, or sends a row again that it was told Kafka has (its sessions
@@ -139,8 +139,7 @@ class RelayLoopModel(RuleBasedStateMachine):
     )
     def start(self, mode: str, batch_size: int, backlog: list[list[int]], optimized: bool) -> None:
         """A relay, and rows for it to send (whichever rules a run leaves out); with or
-        without the read's optimizations (groups, skipped reads), which no guarantee may
-        depend on."""
+        without read groups, which no guarantee may depend on."""
         self.config = model_config(self.url, mode, batch_size)
         self.optimized = optimized
         self.figures["runs optimized" if optimized else "runs plain"] += 1

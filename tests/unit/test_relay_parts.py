@@ -17,7 +17,6 @@ from outbox.relay.config import RelayConfig, kafka_config_from_env, masked_kafka
 from outbox.relay.observability import HealthState, mask_secrets
 from outbox.relay.policy import RETRIABLE, RetryPolicy, classify
 from outbox.relay.progress import decode_progress, encode_progress
-from outbox.relay.quiet import QuietShards, ended_between
 from outbox.sending import Ack, BatchResult, kafka_error_of, order_gaps
 
 
@@ -413,43 +412,3 @@ def test_the_deadline_watchdog_purges_at_the_earliest_deadline_and_never_before(
         assert len(purged) == 3
     finally:
         watchdog.stop()
-
-
-def test_a_look_that_found_shards_empty_stands_only_while_the_snapshot_and_the_time_do() -> None:
-    quiet = QuietShards(quiet_for=0.05)
-    quiet.saw([1, 2, 3], [2], "10:12:10,11", 100.0, whole=True, window=5)
-    assert quiet.unchanged([1, 3], "10:12:10,11", 100.01, 5)
-    assert not quiet.unchanged([1, 2], "10:12:10,11", 100.01, 5)  # shard 2 had rows
-    assert not quiet.unchanged([1, 4], "10:12:10,11", 100.01, 5)  # shard 4 was not looked at
-    assert not quiet.unchanged([1, 3], "10:12:11", 100.01, 5)  # a transaction ended since
-    assert not quiet.unchanged([1, 3], "10:12:10,11", 100.06, 5)  # rows may be due by now
-    quiet.saw([1, 3], [], "10:13:10,11", 100.02, whole=False, window=5)
-    assert not quiet.unchanged([1], "10:13:10,11", 100.03, 5)  # a read cut short proves nothing
-    quiet.saw([1], [], "10:13:10,11", 100.03, whole=True, window=5)
-    assert quiet.unchanged([1], "10:13:10,11", 100.04, 5)
-    assert not quiet.unchanged([1], "10:13:10,11", 100.04, 10)  # a wider window sees more
-    quiet.drop([1])  # read behind a backlog: its rows may be taken
-    assert not quiet.unchanged([1], "10:13:10,11", 100.04, 5)
-    quiet.saw([1], [], "10:13:10,11", 100.03, whole=True, window=5)
-    quiet.forget()
-    assert not quiet.unchanged([1], "10:13:10,11", 100.04, 5)
-
-
-def test_the_transactions_that_ended_between_two_snapshots_are_found() -> None:
-    # 12 ended; 13 began after the first snapshot and ended; 14 still runs; 10 ended later.
-    assert ended_between("10:12:10,11", "10:15:11,14") == {10, 12, 13}
-    assert ended_between("10:12:10,11", "10:12:10,11") == set()
-    assert ended_between("10:12:", "10:500:") is None  # too many to tell apart
-
-
-def test_a_look_stands_across_the_relays_own_marks_and_no_other_commit() -> None:
-    quiet = QuietShards(quiet_for=0.05)
-    quiet.saw([1, 2], [], "10:12:10", 100.0, whole=True, window=5)
-    assert not quiet.unchanged([1, 2], "10:13:10", 100.01, 5)  # 12 ended: whose?
-    quiet.own(12)
-    assert quiet.unchanged([1, 2], "10:13:10", 100.01, 5)
-    assert quiet.unchanged([1, 2], "10:13:10,13", 100.01, 5)  # 13 runs, nothing it wrote shows
-    assert not quiet.unchanged([1, 2], "11:13:", 100.01, 5)  # 10 (a writer, say) ended
-    quiet.own(10)
-    assert quiet.unchanged([1, 2], "11:13:", 100.01, 5)
-    assert not quiet.unchanged([1, 2], "11:13:", 100.06, 5)  # rows may be due with time alone
