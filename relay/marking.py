@@ -182,6 +182,7 @@ class OutcomeMarking(RelayState):
         for ended in self._recorder.collect(block):
             self._finish(ended)
             finished = True
+        self._stuck_shards = set()
         for ended in self._recorder.retrying():
             # Recorded but for rows another transaction holds locked: the shards of the
             # recorded rows go on (in place: the busy shards are read from these sets).
@@ -191,6 +192,7 @@ class OutcomeMarking(RelayState):
                 held = ended.held_shards
             else:
                 held = {h.shard for h in ended.held or ()}
+            self._stuck_shards |= held
             for flight in ended.flights:
                 self._busy_shards[flight][0].intersection_update(held)
         return finished

@@ -9,7 +9,9 @@ messages go in order, also across retries.
 The owned shards are read in groups (a quarter of them each, :data:`READ_GROUPS`), in turn,
 while the relay is behind (its last read took as many rows as it may): one group is read while
 the others' batches are in flight or being marked. A relay that keeps up reads every idle shard
-at once.
+at once. Either way a read waits, while batches are in flight, for a group's worth of idle
+shards, but never for shards whose outcome waits for another transaction's row lock. The
+groups are an optimization: no guarantee depends on how many there are.
 
 Assumes: :mod:`outbox.relay.marking` keeps a batch's shards busy until its outcome is
 recorded (and the shards of rows another transaction holds locked until they are marked);
@@ -42,9 +44,11 @@ READ_GROUPS = 4
 class BatchReading(RelayState):
     """Reading and starting batches (a part of :class:`~outbox.relay.daemon.Relay`)."""
 
-    #: The groups the owned shards are read in behind a backlog (1: every idle shard at
-    #: once). An optimization no guarantee depends on: the model-based test runs both ways.
-    read_groups = READ_GROUPS
+    #: The groups the owned shards are read in: a read waits, while batches are in flight,
+    #: until a group's worth of shards is idle (1: all of them, so one batch at a time; as
+    #: many groups as shards: every shard read as soon as it is idle). An optimization no
+    #: guarantee depends on: the model-based test draws its value. None: READ_GROUPS.
+    read_groups: int | None = None
 
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.
@@ -65,15 +69,18 @@ class BatchReading(RelayState):
         busy = {shard for shards, _, _ in self._busy_shards.values() for shard in shards}
         busy |= self._take_overs.shards
         idle = [shard for shard in owned if shard not in busy]
-        group = max(1, -(-len(owned) // self.read_groups))  # shards per group, rounded up
-        if not idle or (busy and len(idle) < group):
+        groups = self.read_groups or READ_GROUPS
+        group = max(1, -(-len(owned) // groups))  # shards per group, rounded up
+        # Shards held by another transaction's row lock may stay busy for long: the read
+        # waits for no more idle shards than the others can give.
+        if not idle or (busy and len(idle) < min(group, len(owned) - len(self._stuck_shards))):
             return False
         shards = idle
         if len(owned) > 1 and len(idle) > group and self._behind:
             # Groups in turn, so that the batches in flight keep to their own shards.
             first = [s for s in idle if owned.index(s) // group == self._group]
             shards = (first or idle)[:group]
-            self._group = (self._group + 1) % self.read_groups
+            self._group = (self._group + 1) % groups
         started = time.monotonic()
         batch = self._read(shards, group)
         rest = [shard for shard in idle if shard not in shards] if not busy else []

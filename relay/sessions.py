@@ -197,6 +197,7 @@ class RelaySessions(RelayState):
         self._recorder.abandon()  # no statement may run on the session when it is closed
         self._take_overs.ended(wait_for_all=True)  # their shards are let go below
         self._busy_shards.clear()
+        self._stuck_shards.clear()
         self._rows.clear()
         if self._ownership is not None:
             lost = self._ownership.forget()

@@ -12,13 +12,16 @@ What every source must keep, since the loop's guarantees stand on it:
 - **Order.** ``read_batch`` returns, for each shard asked, the next messages that may go now,
   each key's in its order; a key whose earliest unsent message cannot go yet (backing off, held
   by an immediate sender) is held back from that message on. A message read is read again
-  (by this relay or the shard's next owner) until its outcome is recorded.
-- **Ownership.** Every read and record names the owner session (``owner_key``) and does
-  nothing once that session, with its shards' locks, is gone: a relay that lost its shards
-  reads and records nothing over their next owner.
-- **Recording.** A record returns once it is durable; what it cannot record yet (another
-  transaction holds the row) it returns, to be tried again, and those messages' shards stay
-  busy meanwhile. A failure (retry later, dead) holds its key back as ``read_batch`` says.
+  (by this relay or the shard's next owner) until its outcome is recorded, and never after.
+- **Ownership.** Reads and records name the owner session (``owner_key``) and do nothing once
+  that session, with its shards' locks, is gone: a relay that lost its shards reads and
+  records nothing over their next owner. (A take-over's ``mark_committed`` needs no owner:
+  it records only what Kafka holds committed.)
+- **Recording.** What a record cannot record yet (another transaction holds the row) it
+  returns, to be tried again, and those messages' shards stay busy meanwhile. A failure
+  (retry later, dead) is durable when its record returns, and holds its key back as
+  ``read_batch`` says; a sent mark may be lost in a crash at-least-once (the message is
+  then sent again), never recorded for a message Kafka does not hold.
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ from typing import Protocol
 
 import psycopg
 
+from outbox.relay.observability import RelayMetrics
 from outbox.relay.store import Failure, HeldRow, PendingRow
 from outbox.sending import Ack
 
 
 class MessageSource(Protocol):
     """What the relay loop asks of the source of its messages (see the module's rules)."""
+
+    def count_into(self, metrics: RelayMetrics) -> None:
+        """Count what the source itself observes into the relay's ``metrics`` (called once,
+        by the relay that reads from it)."""
 
     # -- reading (outbox.relay.reading, outbox.relay.sleeping) -----------------------------
 

@@ -79,8 +79,9 @@ class RelayState:
         self.metrics = metrics or RelayMetrics()
         #: Where the messages come from: the loop knows it only as a MessageSource.
         self.store: MessageSource = store or RelayStore(
-            self.engine, config.spec, self.owner, config.delete_on_send, self.metrics
+            self.engine, config.spec, self.owner, config.delete_on_send
         )
+        self.store.count_into(self.metrics)
         # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
         # be resumed until its transaction times out, without the loop turning.
         self.health = HealthState(
@@ -115,6 +116,9 @@ class RelayState:
         self._recorder: OutcomeRecorder[Ended] = OutcomeRecorder(workers=MARKERS)
         #: Shards gained and being taken over: owned, not read until it ended.
         self._take_overs = TakeOvers()
+        #: Shards whose last batch's outcome waits for another transaction's row lock: a
+        #: read does not wait for them to be idle (see outbox.relay.reading).
+        self._stuck_shards: set[int] = set()
         #: Which group of the owned shards the next read starts with.
         self._group = 0
         #: The last read that found rows took as many as it may, in all or of one shard (a

@@ -81,15 +81,12 @@ class RelayStore(OutboxRows):
         spec: OutboxTableSpec,
         name: str,
         delete_on_send: bool = False,
-        metrics: RelayMetrics | None = None,
     ) -> None:
-        """``metrics``: the relay's, for the scheduled messages' gauges and counter (a
-        registry of its own by default)."""
         super().__init__(engine.url, spec, owner=None, delete_on_send=delete_on_send)
         self.engine = engine
         self.name = name
         #: Due scheduled messages are made pending before a read (see outbox.relay.promotion).
-        self.promotion = ScheduledPromotion(spec, metrics or RelayMetrics())
+        self.promotion = ScheduledPromotion(spec, RelayMetrics())
         self._compiled: dict[str, str] = {}
         #: The sessions whose read_batch columns were checked against READ_COLUMNS.
         self._checked_readers: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
@@ -272,6 +269,10 @@ class RelayStore(OutboxRows):
             self._psycopg_sql("leases_held"), {"shards": list(shards)}
         ).fetchone()
         return row is not None and bool(row[0])
+
+    def count_into(self, metrics: RelayMetrics) -> None:
+        """Count the scheduled messages promoted, waiting and overdue into ``metrics``."""
+        self.promotion.metrics = metrics
 
     def before_read(
         self, shards: Collection[int], session: psycopg.Connection, owner_key: int | None

@@ -452,16 +452,15 @@ class ModelRelay:
     """A real :class:`Relay` on a thread of its own, sending to a :class:`ModelKafka`."""
 
     def __init__(
-        self, kafka: ModelKafka, config: RelayConfig, name: str, optimized: bool = True
+        self, kafka: ModelKafka, config: RelayConfig, name: str, read_groups: int = 4
     ) -> None:
-        """``optimized=False``: without the optimization no guarantee may depend on (reads
-        in groups behind a backlog)."""
+        """``read_groups``: the groups the relay reads its shards in, an optimization no
+        guarantee may depend on (see ``outbox.relay.reading``)."""
         self.kafka = kafka
         self.name = name
         self.publisher = ModelPublisher(kafka, name)
         self.relay = Relay(config, publisher=self.publisher)
-        if not optimized:
-            self.relay.read_groups = 1
+        self.relay.read_groups = read_groups
         self.publisher.owner = self.relay.owner[:63]
         self.thread = threading.Thread(target=self._run, name=f"model-{name}", daemon=True)
         self.thread.start()

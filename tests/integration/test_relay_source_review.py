@@ -1,7 +1,7 @@
-"""The relay loop behind the MessageSource interface: the scheduled messages' promotion, now
-kept by the store, still counts into the relay's metrics; the read groups' knob
-(``read_groups``), which the model-based test turns to 1 to run "without the optimization",
-still reads the idle shards beside a busy one. Real PostgreSQL, the loop's stub publisher."""
+"""The relay loop behind the MessageSource interface: the scheduled messages' promotion, kept
+by the store, counts into the relay's metrics whichever store it is given; whatever the read
+groups (``read_groups``, which the model-based test draws), the idle shards are read beside
+one whose mark a row lock holds. Real PostgreSQL, the loop's stub publisher."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import sqlalchemy as sa
 
 from outbox import Outbox
 from outbox.engines import sender_engine
-from outbox.relay import reading
 from outbox.relay.daemon import Relay
 from outbox.relay.observability import RelayMetrics
 from outbox.relay.store import RelayStore
@@ -30,19 +29,7 @@ from tests.relay_helpers import looping
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize(
-    "own_store",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the promotion counts into the store's own RelayMetrics, not the relay's",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("own_store", [False, True])
 def test_a_relay_counts_the_scheduled_messages_it_promotes_whichever_store_it_is_given(  # type: ignore[no-untyped-def]
     engine, outbox_url, own_store
 ) -> None:
@@ -66,28 +53,13 @@ def test_a_relay_counts_the_scheduled_messages_it_promotes_whichever_store_it_is
     assert metrics.promoted._value.get() == 1
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        4,
-        pytest.param(
-            1,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="read_groups=1 makes a group of every owned shard: nothing is read while"
-                " any shard is busy, so one row lock stalls every shard",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("groups", [1, 4, 16])
 def test_a_relay_reading_in_any_number_of_groups_reads_the_idle_shards_beside_a_held_mark(  # type: ignore[no-untyped-def]
-    engine, outbox_url, monkeypatch, groups
+    engine, outbox_url, groups
 ) -> None:
-    """``read_groups`` is documented as an optimization no guarantee depends on, 1 meaning
-    "every idle shard at once": a row lock that holds one shard's mark holds that shard
-    only, whatever the groups. (The module constant is patched too, which is what the knob
-    was before it became an attribute: the same test runs on the code before the change.)"""
-    monkeypatch.setattr(reading, "READ_GROUPS", groups)
+    """``read_groups`` is an optimization no guarantee depends on: a row lock that holds one
+    shard's mark holds that shard only, whatever the groups (with 1, a read waits for every
+    shard to be idle, but for those held)."""
     first = publish_spread(engine, "first")
     locked = first[0]
     stub = StubPublisher()
