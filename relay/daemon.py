@@ -43,7 +43,7 @@ from outbox.relay.marking import (
     OutcomeMarking,
 )
 from outbox.relay.observability import mask_secrets, serve
-from outbox.relay.reading import READ_GROUPS, BatchReading
+from outbox.relay.reading import EXACTLY_ONCE_READ_GROUPS, READ_GROUPS, BatchReading
 from outbox.relay.rebalancing import GAUGE_INTERVAL, Rebalancing
 from outbox.relay.serving import (
     FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE,
@@ -66,6 +66,7 @@ from outbox.relay.state import MARKERS
 #: The tunables of the loop, importable from here as they always were (each is defined in the
 #: module of the mechanism it tunes: patch it there).
 __all__ = [
+    "EXACTLY_ONCE_READ_GROUPS",
     "FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE",
     "FAILED_TAKE_OVERS_FORGOTTEN_SECONDS",
     "GAUGE_INTERVAL",
