@@ -59,6 +59,8 @@ class BatchReading(RelayState):
     #: guarantee depends on: the model-based test draws its value. None: READ_GROUPS, or
     #: EXACTLY_ONCE_READ_GROUPS in exactly-once mode.
     read_groups: int | None = None
+    #: The shards in flight when a look at every idle shard beside them last found nothing.
+    _looked_beside: frozenset[int] = frozenset()
 
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.
@@ -66,11 +68,11 @@ class BatchReading(RelayState):
         Behind (the last read that found rows took as many as it may, in all or of one shard),
         the read waits until a group's worth of the owned shards (see READ_GROUPS) is idle,
         and it takes at most that many: one group is read while the others are in flight or
-        being marked; with nothing in flight, a group that holds nothing is followed at once
-        by the other idle shards, a group's worth at a time, so that rows that woke the relay
-        are never left for the next wake-up. Not behind, every idle shard is read at once: a
-        transaction's messages, spread over the shards, go in one batch, and a new row waits
-        for one read.
+        being marked; a group that holds nothing is followed at once by the other idle shards,
+        a quarter of the owned shards at a time, so that rows that woke the relay are never
+        left for the next wake-up, nor a shard's backlog for the groups' turns. Not behind,
+        every idle shard is read at once: a transaction's messages, spread over the shards, go
+        in one batch, and a new row waits for one read.
         """
         assert self._ownership is not None and self._publisher is not None
         assert self._reader is not None
@@ -96,11 +98,21 @@ class BatchReading(RelayState):
             self._group = (self._group + 1) % groups
         started = time.monotonic()
         batch = self._read(shards, group)
-        rest = [shard for shard in idle if shard not in shards] if not busy else []
+        # A group that holds nothing is followed at once by the other idle shards, also
+        # beside batches in flight: a backlog of one shard never waits for the groups' turns
+        # to come round to it. A quarter of the owned shards (at least a group) at a time:
+        # rows found in one part go while the next is read, and one-shard groups do not cost a
+        # read per empty shard. Beside batches in flight, only once the shards in flight
+        # changed since the last such look found nothing: the loop steps often while they are.
+        rest = [shard for shard in idle if shard not in shards]
+        if busy and not batch and busy == self._looked_beside:
+            rest = []
+        part = max(group, -(-len(owned) // READ_GROUPS))
         while not batch and rest:
-            # A group's worth at a time: rows found in one group go while the next is read.
-            shards, rest = rest[:group], rest[group:]
+            shards, rest = rest[:part], rest[part:]
             batch = self._read(shards, group)
+        if busy and not batch:
+            self._looked_beside = frozenset(busy)
         if batch or not busy:  # (empty shards read beside a batch in flight say nothing)
             # As many rows as the read may take, in all or of one shard: a backlog, read a
             # group at a time so that several batches are in flight. Fewer: rows are read as
