@@ -70,7 +70,8 @@ class BatchReading(RelayState):
         and it takes at most that many: one group is read while the others are in flight or
         being marked; a group that holds nothing is followed at once by the other idle shards,
         a quarter of the owned shards at a time, so that rows that woke the relay are never
-        left for the next wake-up, nor a shard's backlog for the groups' turns. Not behind,
+        left for the next wake-up, nor (while the shards in flight change) a shard's backlog
+        for the groups' turns. Not behind,
         every idle shard is read at once: a transaction's messages, spread over the shards, go
         in one batch, and a new row waits for one read.
         """
@@ -104,6 +105,8 @@ class BatchReading(RelayState):
         # rows found in one part go while the next is read, and one-shard groups do not cost a
         # read per empty shard. Beside batches in flight, only once the shards in flight
         # changed since the last such look found nothing: the loop steps often while they are.
+        # (While they stay the same, a new row on an idle shard waits for the cursor's turn:
+        # up to one step a group, tests/integration/test_relay_looked_beside_review.py.)
         rest = [shard for shard in idle if shard not in shards]
         if busy and not batch and busy == self._looked_beside:
             rest = []

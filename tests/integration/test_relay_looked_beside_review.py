@@ -1,0 +1,124 @@
+"""Review of ff1d477 (``_looked_beside``): a read beside batches in flight sweeps the other idle
+shards only when the busy set changed since the last sweep that found nothing. While the relay
+is behind (``_behind``) and the busy set stays the same (one shard's long transaction, a mark
+held by a row lock, a take-over), each loop step reads only the cursor's group: a row committed
+to another shard then waits for the cursor's turn, up to ``groups`` loop steps of WAIT_SLICE
+(exactly-once, a group per shard: about 3 s), as before ff1d477.
+
+Real PostgreSQL, the real loop, the per-shard stub publisher of
+test_relay_read_groups_review. The new row is put on the shard the cursor reaches last, read
+from ``relay._group`` (the loop steps every WAIT_SLICE meanwhile, so the race is harmless)."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import pytest
+import sqlalchemy as sa
+
+from outbox.relay.daemon import Relay
+from outbox.relay.marking import WAIT_SLICE
+from outbox.schema import SHARD_COUNT
+from tests.integration.test_relay_loop import by_key_in_seq_order, wait_for
+from tests.integration.test_relay_read_groups_review import (
+    HOT_KEY,
+    HOT_SHARD,
+    SLOW_KEY,
+    SLOW_SHARD,
+    PerShardStub,
+    counting_relay,
+    publish_key,
+    shard_of_key,
+)
+from tests.relay_helpers import looping
+
+pytestmark = pytest.mark.integration
+
+#: The long transaction of shard 1 (seconds): the busy set stays {1} meanwhile.
+LONG = 10.0
+
+
+def key_on_shard(shard: int) -> str:
+    n = 0
+    while zlib.crc32(f"q{n}".encode()) % SHARD_COUNT != shard:
+        n += 1
+    return f"q{n}"
+
+
+def row_behind_the_cursor(engine: sa.Engine, relay: Relay, stub: PerShardStub) -> float:
+    """Commit one row to the idle shard that the cursor reaches last; seconds until sent."""
+    # Preconditions: not AssertionError, so that a broken setup is no expected failure.
+    if not relay._behind:
+        raise RuntimeError("precondition: the relay is not behind")
+    if relay._looked_beside != {SLOW_SHARD}:
+        raise RuntimeError(f"precondition: _looked_beside is {set(relay._looked_beside)}")
+    assert relay._ownership is not None
+    owned = sorted(relay._ownership.owned)
+    if len(owned) != SHARD_COUNT:
+        raise RuntimeError("precondition: the relay owns every shard")
+    cursor = relay._group
+    target = next(
+        owned[(cursor - k) % len(owned)]
+        for k in range(2, len(owned))
+        if owned[(cursor - k) % len(owned)] not in (0, SLOW_SHARD, HOT_SHARD)
+    )
+    key = key_on_shard(target)
+    publish_key(engine, key, 1)
+    if shard_of_key(engine, key) != target:
+        raise RuntimeError("precondition: the key's shard")
+    began = time.monotonic()
+    wait_for(lambda: any(r.key == key.encode() for r in stub.acked), timeout=LONG - 2)
+    waited = time.monotonic() - began
+    print(f"cursor {cursor}, row on shard {target}: sent after {waited:.2f}s")
+    if stub.ends(SLOW_SHARD):
+        raise RuntimeError("precondition: the long transaction ended before the row went")
+    return waited
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="ff1d477: beside an unchanged busy set, a behind relay reads only the cursor's "
+    "group; a new row on another idle shard waits for the cursor (up to 16 x WAIT_SLICE)",
+)
+def test_a_new_row_goes_at_once_beside_a_long_transaction_of_a_backlogged_shard(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """Shard 1 holds two batches; its first transaction takes 10 s (the relay is behind:
+    that read took a whole batch of one shard). A row committed to a quiet shard should go
+    within a loop step or two, as test_a_new_row_goes_at_once_while_one_shards_transaction_is_long
+    asks when another shard holds the backlog."""
+    publish_key(engine, SLOW_KEY, 100)
+    stub = PerShardStub(default=0.02, latency={SLOW_SHARD: LONG})
+    with counting_relay(outbox_url, stub, None) as relay, looping(relay):
+        wait_for(lambda: len(stub.starts(SLOW_SHARD)) >= 1, timeout=30)
+        time.sleep(0.5)  # the sweep beside {1} found nothing: _looked_beside == {1}
+        waited = row_behind_the_cursor(engine, relay, stub)
+    assert by_key_in_seq_order(stub.acked)
+    assert waited < 5 * WAIT_SLICE, f"a new row on a quiet shard waited {waited:.2f}s"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="ff1d477: _behind stays True after a backlog that ended with a whole batch (it is "
+    "updated only by reads that found rows or with nothing busy); beside an unchanged busy set "
+    "a new row waits for the cursor although nothing is pending",
+)
+def test_a_new_row_goes_at_once_after_a_backlog_that_ended_on_a_whole_batch(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """Shard 1's transaction takes 10 s; shard 15 held exactly two batches, sent meanwhile.
+    Nothing is pending any more, but the relay is still 'behind': a new row on a quiet shard
+    should go within a loop step or two."""
+    publish_key(engine, SLOW_KEY, 1)
+    publish_key(engine, HOT_KEY, 100)
+    stub = PerShardStub(default=0.02, latency={SLOW_SHARD: LONG})
+    with counting_relay(outbox_url, stub, None) as relay, looping(relay):
+        wait_for(lambda: len(stub.starts(SLOW_SHARD)) >= 1, timeout=30)
+        wait_for(lambda: len(stub.ends(HOT_SHARD)) >= 2, timeout=5)
+        time.sleep(0.5)  # shard 15 marked; the sweep beside {1} found nothing
+        waited = row_behind_the_cursor(engine, relay, stub)
+    assert by_key_in_seq_order(stub.acked)
+    assert waited < 5 * WAIT_SLICE, f"a new row on a quiet shard waited {waited:.2f}s"
