@@ -31,6 +31,12 @@ from tests.relay_helpers import looping
 
 pytestmark = pytest.mark.integration
 
+#: Every case runs with four groups (at-least-once's) and a group per shard (exactly-once's).
+EACH_GROUPING = pytest.mark.parametrize(
+    "groups",
+    [pytest.param(4, id="four-groups"), pytest.param(None, id="exactly-once-default")],
+)
+
 #: Keys and their shards (crc32(key) % 16).
 SLOW_KEY, SLOW_SHARD = "hot-3", 1
 HOT_KEY, HOT_SHARD = "hot-9", 15
@@ -177,13 +183,7 @@ def pending(engine: sa.Engine) -> int:
         ).scalar_one()
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        pytest.param(4, id="four-groups"),
-        pytest.param(None, id="exactly-once-default"),
-    ],
-)
+@EACH_GROUPING
 def test_a_backlogged_shard_keeps_going_while_another_shards_transaction_is_long(  # type: ignore[no-untyped-def]
     engine, outbox_url, groups
 ) -> None:
@@ -226,13 +226,7 @@ def overlapped_starts(stub: PerShardStub, shard: int, other: int) -> tuple[int, 
     return overlapped, total
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        pytest.param(4, id="four-groups"),
-        pytest.param(None, id="exactly-once-default"),
-    ],
-)
+@EACH_GROUPING
 def test_two_backlogged_shards_go_side_by_side(  # type: ignore[no-untyped-def]
     engine, outbox_url, groups
 ) -> None:
@@ -257,13 +251,7 @@ def test_two_backlogged_shards_go_side_by_side(  # type: ignore[no-untyped-def]
     assert a[0] + b[0] >= 15, f"{a[0] + b[0]} of 80 starts beside the other shard's batch"
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        pytest.param(4, id="four-groups"),
-        pytest.param(None, id="exactly-once-default"),
-    ],
-)
+@EACH_GROUPING
 def test_reads_per_batch_of_one_deep_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url, groups
 ) -> None:
@@ -284,13 +272,7 @@ def test_reads_per_batch_of_one_deep_shard(  # type: ignore[no-untyped-def]
     assert reads / batches <= 8, f"{reads / batches:.1f} SQL reads a batch"
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        pytest.param(4, id="four-groups"),
-        pytest.param(None, id="exactly-once-default"),
-    ],
-)
+@EACH_GROUPING
 def test_a_uniform_backlog_drains_in_key_order(engine, outbox_url, groups) -> None:  # type: ignore[no-untyped-def]
     """8,000 rows over 200 keys (every shard) drain in key order (drain time, reads and marks
     printed)."""
@@ -309,13 +291,7 @@ def test_a_uniform_backlog_drains_in_key_order(engine, outbox_url, groups) -> No
     assert by_key_in_seq_order(stub.acked)
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        pytest.param(4, id="four-groups"),
-        pytest.param(None, id="exactly-once-default"),
-    ],
-)
+@EACH_GROUPING
 def test_a_new_row_goes_at_once_while_one_shards_transaction_is_long(  # type: ignore[no-untyped-def]
     engine, outbox_url, groups
 ) -> None:
@@ -341,13 +317,7 @@ def test_a_new_row_goes_at_once_while_one_shards_transaction_is_long(  # type: i
     assert max(waits) < 1.0, f"a new row on a quiet shard waited {max(waits):.2f}s"
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        pytest.param(4, id="four-groups"),
-        pytest.param(None, id="exactly-once-default"),
-    ],
-)
+@EACH_GROUPING
 def test_a_backlogged_shard_keeps_going_beside_a_mark_held_by_a_row_lock(  # type: ignore[no-untyped-def]
     engine, outbox_url, groups
 ) -> None:
