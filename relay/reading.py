@@ -48,6 +48,10 @@ READ_GROUPS = 4
 #: read, and their marks came as one. Measured on 16 shards, one relay, side by side in ten
 #: rounds: a median 11% more messages a second than four groups (0-23%).
 EXACTLY_ONCE_READ_GROUPS = SHARD_COUNT
+#: Beside the same batches in flight (one long transaction, a mark waiting for a row lock), the
+#: idle shards are all looked at again after this many seconds: a new row on one of them waits
+#: at most about this long, not for the groups' turns (up to 16 loop steps exactly-once).
+LOOK_BESIDE_AGAIN = 0.1
 
 
 class BatchReading(RelayState):
@@ -59,8 +63,10 @@ class BatchReading(RelayState):
     #: guarantee depends on: the model-based test draws its value. None: READ_GROUPS, or
     #: EXACTLY_ONCE_READ_GROUPS in exactly-once mode.
     read_groups: int | None = None
-    #: The shards in flight when a look at every idle shard beside them last found nothing.
+    #: The shards in flight when a look at every idle shard beside them last found nothing,
+    #: and when (time.monotonic()).
     _looked_beside: frozenset[int] = frozenset()
+    _looked_beside_at: float = 0.0
 
     def _start_next(self) -> bool:
         """Read the next rows of idle shards and start sending them; False if there were none.
@@ -104,18 +110,23 @@ class BatchReading(RelayState):
         # to come round to it. A quarter of the owned shards (at least a group) at a time:
         # rows found in one part go while the next is read, and one-shard groups do not cost a
         # read per empty shard. Beside batches in flight, only once the shards in flight
-        # changed since the last such look found nothing: the loop steps often while they are.
-        # (While they stay the same, a new row on an idle shard waits for the cursor's turn:
-        # up to one step a group, tests/integration/test_relay_looked_beside_review.py.)
+        # changed since the last such look found nothing, or LOOK_BESIDE_AGAIN later: the loop
+        # steps often while they are in flight, and a new row on an idle shard (no commit
+        # wakes a relay with batches in flight) waits at most that long for the next look.
         rest = [shard for shard in idle if shard not in shards]
-        if busy and not batch and busy == self._looked_beside:
-            rest = []
+        now = time.monotonic()
         part = max(group, -(-len(owned) // READ_GROUPS))
+        if busy and not batch and busy == self._looked_beside:
+            # Looked beside these batches already: again only LOOK_BESIDE_AGAIN later, and then
+            # in one read, since it is mostly for a row or two.
+            looked_lately = now - self._looked_beside_at < LOOK_BESIDE_AGAIN
+            rest, part = ([], part) if looked_lately else (rest, len(rest))
+        looked = bool(rest)
         while not batch and rest:
             shards, rest = rest[:part], rest[part:]
             batch = self._read(shards, group)
-        if busy and not batch:
-            self._looked_beside = frozenset(busy)
+        if busy and not batch and looked:
+            self._looked_beside, self._looked_beside_at = frozenset(busy), now
         if batch or not busy:  # (empty shards read beside a batch in flight say nothing)
             # As many rows as the read may take, in all or of one shard: a backlog, read a
             # group at a time so that several batches are in flight. Fewer: rows are read as
