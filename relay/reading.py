@@ -118,7 +118,8 @@ class BatchReading(RelayState):
         part = max(group, -(-len(owned) // READ_GROUPS))
         if busy and not batch and busy == self._looked_beside:
             # Looked beside these batches already: again only LOOK_BESIDE_AGAIN later, and then
-            # in one read, since it is mostly for a row or two.
+            # in one read of every idle shard (as a relay that keeps up reads), not a part at a
+            # time: there is mostly a row or two to find, and a read's limits hold all the same.
             looked_lately = now - self._looked_beside_at < LOOK_BESIDE_AGAIN
             rest, part = ([], part) if looked_lately else (rest, len(rest))
         looked = bool(rest)

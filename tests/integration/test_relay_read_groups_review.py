@@ -12,6 +12,7 @@ by the other idle shards, a quarter of the owned shards at a time, in both modes
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
@@ -130,6 +131,9 @@ class CountingStore(RelayStore):
         self.reads = 0
         self.empty_reads = 0
         self.marks = 0
+        #: The most rows one read returned, in all and of one shard.
+        self.largest_read = 0
+        self.largest_of_one_shard = 0
 
     def mark_acked(self, acks, connection, owner_key):  # type: ignore[no-untyped-def,override]
         self.marks += 1
@@ -141,6 +145,9 @@ class CountingStore(RelayStore):
         )
         self.reads += 1
         self.empty_reads += not rows
+        self.largest_read = max(self.largest_read, len(rows))
+        of_one = max(Counter(row.shard for row in rows).values(), default=0)
+        self.largest_of_one_shard = max(self.largest_of_one_shard, of_one)
         return rows
 
 
@@ -164,11 +171,11 @@ def shard_of_key(engine: sa.Engine, key: str) -> int:
 
 
 @contextmanager
-def counting_relay(outbox_url: str, stub: PerShardStub, groups: int | None) -> Iterator[Relay]:
+def counting_relay(
+    outbox_url: str, stub: PerShardStub, groups: int | None, mode: str = "exactly-once"
+) -> Iterator[Relay]:
     store = CountingStore(sender_engine(outbox_url), OutboxTableSpec(), "counting")
-    relay = Relay(
-        config(outbox_url, mode="exactly-once", batch_size=50), publisher=stub, store=store
-    )
+    relay = Relay(config(outbox_url, mode=mode, batch_size=50), publisher=stub, store=store)
     relay.read_groups = groups
     try:
         yield relay
