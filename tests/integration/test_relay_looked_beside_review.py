@@ -83,6 +83,22 @@ def row_behind_the_cursor(engine: sa.Engine, relay: Relay, stub: PerShardStub) -
     return waited
 
 
+def assert_a_new_row_goes_at_once(
+    engine: sa.Engine, outbox_url: str, mode: str, hot_batches: int
+) -> None:
+    """Shard 1's transaction takes LONG; once shard 15 has sent ``hot_batches`` batches and
+    the look beside {1} found nothing, a row on the shard the cursor reaches last goes
+    within a loop step or two, in order."""
+    stub = PerShardStub(default=0.02, latency={SLOW_SHARD: LONG})
+    with counting_relay(outbox_url, stub, None, mode) as relay, looping(relay):
+        wait_for(lambda: len(stub.starts(SLOW_SHARD)) >= 1, timeout=30)
+        wait_for(lambda: len(stub.ends(HOT_SHARD)) >= hot_batches, timeout=5)
+        time.sleep(0.5)  # shard 15 marked; the look beside {1} found nothing
+        waited = row_behind_the_cursor(engine, relay, stub)
+    assert by_key_in_seq_order(stub.acked)
+    assert waited < 5 * WAIT_SLICE, f"a new row on a quiet shard waited {waited:.2f}s"
+
+
 @EACH_MODE
 def test_a_new_row_goes_at_once_beside_a_long_transaction_of_a_backlogged_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url, mode
@@ -92,13 +108,7 @@ def test_a_new_row_goes_at_once_beside_a_long_transaction_of_a_backlogged_shard(
     within a loop step or two, as test_a_new_row_goes_at_once_while_one_shards_transaction_is_long
     asks when another shard holds the backlog."""
     publish_key(engine, SLOW_KEY, 100)
-    stub = PerShardStub(default=0.02, latency={SLOW_SHARD: LONG})
-    with counting_relay(outbox_url, stub, None, mode) as relay, looping(relay):
-        wait_for(lambda: len(stub.starts(SLOW_SHARD)) >= 1, timeout=30)
-        time.sleep(0.5)  # the sweep beside {1} found nothing: _looked_beside == {1}
-        waited = row_behind_the_cursor(engine, relay, stub)
-    assert by_key_in_seq_order(stub.acked)
-    assert waited < 5 * WAIT_SLICE, f"a new row on a quiet shard waited {waited:.2f}s"
+    assert_a_new_row_goes_at_once(engine, outbox_url, mode, hot_batches=0)
 
 
 @EACH_MODE
@@ -112,14 +122,7 @@ def test_a_new_row_goes_at_once_after_a_backlog_that_ended_on_a_whole_batch(  # 
     # Two whole reads of shard 15: exactly-once 50 rows a shard; at-least-once 50 in all, the
     # first of them with shard 1's row.
     publish_key(engine, HOT_KEY, 100 if mode == "exactly-once" else 99)
-    stub = PerShardStub(default=0.02, latency={SLOW_SHARD: LONG})
-    with counting_relay(outbox_url, stub, None, mode) as relay, looping(relay):
-        wait_for(lambda: len(stub.starts(SLOW_SHARD)) >= 1, timeout=30)
-        wait_for(lambda: len(stub.ends(HOT_SHARD)) >= 2, timeout=5)
-        time.sleep(0.5)  # shard 15 marked; the sweep beside {1} found nothing
-        waited = row_behind_the_cursor(engine, relay, stub)
-    assert by_key_in_seq_order(stub.acked)
-    assert waited < 5 * WAIT_SLICE, f"a new row on a quiet shard waited {waited:.2f}s"
+    assert_a_new_row_goes_at_once(engine, outbox_url, mode, hot_batches=2)
 
 
 @EACH_MODE
