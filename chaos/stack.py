@@ -28,6 +28,11 @@ from outbox.devstack.stack import LocalStack, StackInfo, stack_home
 
 DATABASE = "chaos"
 SERVICE_DATABASE = "chaos_service"  # the consuming service's
+#: How long a heal waits for Kafka nodes to serve again. A node stopped mid-stream loads every
+#: partition's log (the transaction and offset topics' too) before it serves; on a loaded
+#: two-core machine two nodes of a cluster restarting together have outlasted a stack's
+#: START_TIMEOUT (90 s).
+HEAL_TIMEOUT = 240.0
 
 
 def route_through_proxy(kafka: KafkaBroker, proxy: FaultProxy) -> None:
@@ -113,11 +118,12 @@ class ChaosStack:
         return self.local.kafka_nodes()
 
     def start_kafka(self) -> None:
-        """Start every Kafka node that is down, and wait until all serve."""
+        """Start every Kafka node that is down, and wait until all serve (up to
+        HEAL_TIMEOUT)."""
         if self.cluster is not None:
-            self.cluster.start()
+            self.cluster.start(HEAL_TIMEOUT)
         else:
-            self.local.kafka.start()
+            self.local.kafka.start(HEAL_TIMEOUT)
 
     @property
     def run_dir(self) -> Path:

@@ -95,12 +95,12 @@ class KafkaCluster:
     def running(self) -> bool:
         return all(node.running() for node in self.nodes)
 
-    def start(self) -> None:
-        """Start every node that is not running, then wait for all: the controllers elect a
-        leader only once a majority of them runs."""
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        """Start every node that is not running, then wait up to ``timeout`` seconds for all:
+        the controllers elect a leader only once a majority of them runs."""
         for node in self.nodes:
             node.launch()
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + timeout
         try:
             for node in self.nodes:
                 node.wait_ready(max(1.0, deadline - time.monotonic()))

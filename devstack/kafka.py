@@ -93,12 +93,13 @@ class KafkaBroker:
     def running(self) -> bool:
         return pid_alive(self.pid)
 
-    def start(self) -> None:
-        """Format the storage on first use, start the broker and wait until it serves metadata."""
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        """Format the storage on first use, start the broker and wait until it serves metadata
+        (up to ``timeout`` seconds)."""
         if self.running():
             return
         self.launch()
-        self.wait_ready()
+        self.wait_ready(timeout)
 
     def launch(self) -> None:
         """Format the storage on first use and start the process, without waiting for it (a

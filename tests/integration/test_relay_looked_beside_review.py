@@ -38,10 +38,12 @@ from tests.integration.test_relay_read_groups_review import (
 )
 from tests.relay_helpers import looping
 
-pytestmark = pytest.mark.integration
+# Each case bounds a wait by the wall clock (a loop step or two): `make test` runs them alone.
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
-#: The long transaction of shard 1 (seconds): the busy set stays {1} meanwhile.
-LONG = 10.0
+#: The long transaction of shard 1 (seconds): the busy set stays {1} meanwhile. Each case
+#: measures within its first two seconds or so; the relay's stop waits for it to end.
+LONG = 6.0
 
 EACH_MODE = pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
 
@@ -103,7 +105,7 @@ def assert_a_new_row_goes_at_once(
 def test_a_new_row_goes_at_once_beside_a_long_transaction_of_a_backlogged_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url, mode
 ) -> None:
-    """Shard 1 holds two batches; its first transaction takes 10 s (the relay is behind:
+    """Shard 1 holds two batches; its first transaction takes LONG (the relay is behind:
     that read took a whole batch of one shard). A row committed to a quiet shard should go
     within a loop step or two, as test_a_new_row_goes_at_once_while_one_shards_transaction_is_long
     asks when another shard holds the backlog."""
@@ -115,7 +117,7 @@ def test_a_new_row_goes_at_once_beside_a_long_transaction_of_a_backlogged_shard(
 def test_a_new_row_goes_at_once_after_a_backlog_that_ended_on_a_whole_batch(  # type: ignore[no-untyped-def]
     engine, outbox_url, mode
 ) -> None:
-    """Shard 1's transaction takes 10 s; shard 15 held exactly two reads' worth, sent meanwhile.
+    """Shard 1's transaction takes LONG; shard 15 held exactly two reads' worth, sent meanwhile.
     Nothing is pending any more, but the relay is still 'behind': a new row on a quiet shard
     should go within a loop step or two."""
     publish_key(engine, SLOW_KEY, 1)
@@ -129,7 +131,7 @@ def test_a_new_row_goes_at_once_after_a_backlog_that_ended_on_a_whole_batch(  # 
 def test_a_burst_on_the_quiet_shards_beside_a_long_transaction(  # type: ignore[no-untyped-def]
     engine, outbox_url, mode
 ) -> None:
-    """Shard 1's transaction takes 10 s. One transaction commits a batch's worth of rows to
+    """Shard 1's transaction takes LONG. One transaction commits a batch's worth of rows to
     each of the other 15 shards: they all go, in order, long before shard 1's transaction
     ends, and the look that finds them (all idle shards in one read) keeps to a read's limits:
     at-least-once ``batch_size`` rows in all, a group-read's window of one shard; exactly-once
