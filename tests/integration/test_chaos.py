@@ -28,11 +28,15 @@ SEED = 7
 #: A run's bound (seconds): about 3 minutes alone; in `make test`, beside the other workers on
 #: two cores, up to 8.5 (the three-node run), and a heal may wait HEAL_TIMEOUT for Kafka.
 RUN_TIMEOUT = 900
+#: How long a run that outlasted RUN_TIMEOUT gets to stop its servers after SIGTERM.
+STOP_TIMEOUT = 120
+#: The test's own bound: the run's, then its stop.
+TEST_TIMEOUT = RUN_TIMEOUT + STOP_TIMEOUT + 30
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 30)
+@pytest.mark.timeout(TEST_TIMEOUT)
 # One chaos run at a time, on one worker: each starts its servers, relays, consumers, writers
 # and a Spark job; two at once on a two-core machine outlast the run's own timeout.
 @pytest.mark.xdist_group("chaos")
@@ -43,7 +47,7 @@ def test_a_short_chaos_run_keeps_every_guarantee(mode: str, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 30)
+@pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.xdist_group("chaos")
 def test_a_short_chaos_run_on_a_three_node_cluster_keeps_every_guarantee(
     tmp_path: Path,
@@ -69,12 +73,22 @@ def run_chaos(mode: str, output: Path, *extra: str) -> tuple[dict[str, Any], str
     """Run ``outbox chaos`` (short profile, seed 7); its JSON result and its output."""
     command = [sys.executable, "-m", "outbox.cli", "chaos", "--mode", mode, *extra]
     command += ["--seed", str(SEED), "--output", str(output)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
-    lines = run.stdout.strip().splitlines()
-    assert lines, run.stderr[-3000:]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not a kill: the run stops the servers, relays, consumers and writers it
+            # started (killed, it would leave them running beside the tests that follow).
+            run.send_signal(signal.SIGTERM)
+            stdout, stderr = run.communicate(timeout=STOP_TIMEOUT)
+            pytest.fail(f"the run outlasted {RUN_TIMEOUT} s:\n{stdout[-3000:]}{stderr[-2000:]}")
+    lines = stdout.strip().splitlines()
+    assert lines, stderr[-3000:]
     result: dict[str, Any] = json.loads(lines[-1])  # the last line is the result
-    assert run.returncode == 0, "\n".join(lines[-40:]) + run.stderr[-2000:]
-    return result, run.stdout
+    assert run.returncode == 0, "\n".join(lines[-40:]) + stderr[-2000:]
+    return result, stdout
 
 
 def assert_every_guarantee_held(
