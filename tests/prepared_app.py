@@ -55,6 +55,19 @@ def place_order(
         )
 
 
+def a_step_waits_for_a_lock(orders: sa.Engine) -> bool:
+    """Whether a session of the orders database waits for a lock: a :func:`place_order` that
+    got there holds its message id already (it records the step first)."""
+    with orders.connect() as conn:
+        waiting = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar()
+    return bool(waiting)
+
+
 def order_exists(orders: sa.Engine, order_id: int) -> bool:
     with orders.connect() as conn:
         found = conn.execute(sa.text("SELECT 1 FROM orders WHERE id = :id"), {"id": order_id})

@@ -66,6 +66,9 @@ def test_a_step_waiting_on_a_lock_is_not_rolled_back_under_it(engine, outbox_url
 
     writer = threading.Thread(target=step, daemon=True)
     writer.start()
+    # Checks begin once the step holds its message id (it waits for the table's lock): a
+    # check before that finds no step and rightly ends the message rolled back.
+    wait_for(lambda: prepared_app.a_step_waits_for_a_lock(orders), 30, "the step's lock wait")
     try:
         with base.running_checkback(order_registry(orders), checked_config(outbox_url)):
             # Longer than "the longest an order may take" by any fixed guess: checked again

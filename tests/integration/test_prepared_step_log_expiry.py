@@ -41,6 +41,9 @@ def test_a_step_still_open_at_max_checks_is_not_rolled_back(
 
     writer = threading.Thread(target=step, daemon=True)
     writer.start()
+    # Checks begin once the step holds its message id (it waits for the table's lock): a
+    # check before that finds no step and rightly ends the message rolled back.
+    wait_for(lambda: prepared_app.a_step_waits_for_a_lock(orders), 30, "the step's lock wait")
     registry = CheckRegistry()
     registry.add_checker(prepared_app.order_checker(orders), prepared_app.GROUP)
     config = base.fast_config(
