@@ -292,14 +292,8 @@ class ExactlyOncePublisher:
     def let_go(self, shards: Sequence[int]) -> None:
         for shard in shards:
             producer = self.producers.pop(shard, None)
-            if producer is None:
-                continue
-            try:
-                producer.flush(5)
-            except KafkaException as exc:
-                # Fenced or failed for good (often why the shard is let go): nothing of it
-                # is waited for any more; the next owner's take-over settles its transaction.
-                log.info("shard %d: producer let go as it stands: %s", shard, exc.args[0])
+            if producer is not None:
+                _flush_as_it_stands(shard, producer, 5)
 
     def start(self, records: Sequence[OutboxRecord]) -> list[InFlight]:
         """One Kafka transaction per shard, each in a thread of its own."""
@@ -437,13 +431,28 @@ class ExactlyOncePublisher:
 
     def close(self) -> None:
         futures.wait([f.future for f in self._flights])
-        for producer in self.producers.values():
-            producer.flush(10)
+        for shard, producer in self.producers.items():
+            _flush_as_it_stands(shard, producer, 10)
         self.producers.clear()
         self._pool.shutdown(wait=True)
         self._consumer.close()
         with self._progress_lock:
             self._progress.close()
+
+
+def _flush_as_it_stands(shard: int, producer: Producer, timeout: float) -> None:
+    """Wait up to ``timeout`` for what ``producer`` still sends, unless it failed for good.
+
+    Fenced or failed for good (often why the shard is let go), its flush raises: nothing of
+    it is waited for any more, and the next owner's take-over settles its transaction. A
+    delivery report that runs after that error turns it into a SystemError."""
+    try:
+        producer.flush(timeout)
+    except (KafkaException, SystemError) as exc:
+        error = kafka_error_of(exc)
+        if error is None:
+            raise
+        log.info("shard %d: producer let go as it stands: %s", shard, error)
 
 
 @dataclass(eq=False)

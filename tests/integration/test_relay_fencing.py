@@ -3,9 +3,12 @@ and reports the batch as not sent, instead of raising out of the relay's loop.""
 
 from __future__ import annotations
 
+import logging
 import uuid
+from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, Message
 from confluent_kafka.admin import AdminClient
 
 from outbox import ID_HEADER
@@ -58,4 +61,58 @@ def test_a_fenced_publisher_gives_the_shard_up_and_the_new_owner_sends(
         assert len(sent.acks) == 40 and not sent.lost_shards
     finally:
         old.close()
+        new.close()
+
+
+@pytest.mark.parametrize("ending", ["let_go", "close"])
+def test_a_fenced_producer_with_reports_pending_is_let_go_without_raising(
+    ending: str, bootstrap_servers: str, make_topic: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer fenced while its delivery reports wait: its flush raises the fence, and the
+    reports that run after it turn that into a SystemError (seen as a relay that crashed when
+    its database went away beside two Kafka nodes down, letting go of its shards). Letting
+    the shard go, or closing the publisher, logs it and goes on."""
+    topic = make_topic("fenced-pending")
+    prefix = f"fence-{uuid.uuid4().hex[:8]}"
+    progress = f"p-{prefix}"
+    config = {"bootstrap.servers": bootstrap_servers}
+    ensure_progress_topic(AdminClient(config), progress)
+
+    def publisher(owner: str) -> ExactlyOncePublisher:
+        return ExactlyOncePublisher(
+            config,
+            transactional_id_prefix=prefix,
+            progress_topic=progress,
+            owner=owner,
+            delivery_timeout_ms=10_000,
+        )
+
+    reports: dict[uuid.UUID, KafkaError | None] = {}
+
+    def report(error: KafkaError | None, _message: Message) -> None:
+        reports[uuid.uuid4()] = error  # keyed by a message id, as the relay's reports are
+
+    old, new = publisher("old"), publisher("new")
+    try:
+        old.take_over([0])
+        producer = old.producers[0]
+        producer.begin_transaction()
+        for n in range(100):
+            producer.produce(topic, b"%d" % n, on_delivery=report)
+        assert producer.flush(10) == 0 and list(reports.values()) == [None] * 100
+        new.take_over([0])  # fences the old owner's producer, mid-transaction
+        for n in range(100):
+            producer.produce(topic, b"%d" % n, on_delivery=report)
+        with caplog.at_level(logging.INFO, logger="outbox.relay.producers"):
+            if ending == "let_go":
+                old.let_go([0])
+                assert 0 not in old.producers
+            else:
+                old.close()
+        assert "fenced" in caplog.text
+        sent = new.publish(records(topic, 20))
+        assert len(sent.acks) == 20 and not sent.lost_shards
+    finally:
+        if ending == "let_go":
+            old.close()
         new.close()
