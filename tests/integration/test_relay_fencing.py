@@ -28,13 +28,11 @@ def records(topic: str, count: int) -> list[OutboxRecord]:
     return made
 
 
-def test_a_fenced_publisher_gives_the_shard_up_and_the_new_owner_sends(
-    bootstrap_servers: str, make_topic
-) -> None:  # type: ignore[no-untyped-def]
-    topic = make_topic("fenced")
+def old_and_new_owner(bootstrap_servers: str) -> tuple[ExactlyOncePublisher, ExactlyOncePublisher]:
+    """Two publishers of one transactional-id prefix: the second's take-over fences the first."""
     prefix = f"fence-{uuid.uuid4().hex[:8]}"
     progress = f"p-{prefix}"
-    config = {"bootstrap.servers": bootstrap_servers}
+    config: dict[str, Any] = {"bootstrap.servers": bootstrap_servers}
     ensure_progress_topic(AdminClient(config), progress)
 
     def publisher(owner: str) -> ExactlyOncePublisher:
@@ -46,7 +44,14 @@ def test_a_fenced_publisher_gives_the_shard_up_and_the_new_owner_sends(
             delivery_timeout_ms=10_000,
         )
 
-    old, new = publisher("old"), publisher("new")
+    return publisher("old"), publisher("new")
+
+
+def test_a_fenced_publisher_gives_the_shard_up_and_the_new_owner_sends(
+    bootstrap_servers: str, make_topic: Any
+) -> None:
+    topic = make_topic("fenced")
+    old, new = old_and_new_owner(bootstrap_servers)
     try:
         old.take_over([0])
         batch = records(topic, 50)
@@ -73,26 +78,12 @@ def test_a_fenced_producer_with_reports_pending_is_let_go_without_raising(
     its database went away beside two Kafka nodes down, letting go of its shards). Letting
     the shard go, or closing the publisher, logs it and goes on."""
     topic = make_topic("fenced-pending")
-    prefix = f"fence-{uuid.uuid4().hex[:8]}"
-    progress = f"p-{prefix}"
-    config = {"bootstrap.servers": bootstrap_servers}
-    ensure_progress_topic(AdminClient(config), progress)
-
-    def publisher(owner: str) -> ExactlyOncePublisher:
-        return ExactlyOncePublisher(
-            config,
-            transactional_id_prefix=prefix,
-            progress_topic=progress,
-            owner=owner,
-            delivery_timeout_ms=10_000,
-        )
-
     reports: dict[uuid.UUID, KafkaError | None] = {}
 
     def report(error: KafkaError | None, _message: Message) -> None:
         reports[uuid.uuid4()] = error  # keyed by a message id, as the relay's reports are
 
-    old, new = publisher("old"), publisher("new")
+    old, new = old_and_new_owner(bootstrap_servers)
     try:
         old.take_over([0])
         producer = old.producers[0]
