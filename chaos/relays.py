@@ -16,8 +16,6 @@ RELAY_ARGS = (
     "200",
     "--delivery-timeout-ms",
     "15000",
-    "--lease-seconds",
-    "30",
     "--backoff-max",
     "5",
 )

@@ -17,6 +17,7 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +43,15 @@ class Flight:
     outstanding: int = 0
     #: Set when the batch is over: every record acknowledged, failed or given back.
     settled: bool = False
+    #: What the caller names the batch by (the relay's own batch).
+    tag: object = None
 
     def done(self) -> bool:
         return self.settled
+
+
+#: A delivery report as the client's callback queued it: served under the sender's lock.
+_Report = tuple[Flight, OutboxRecord, "KafkaError | None", "int | None", "int | None"]
 
 
 class IdempotentSender:
@@ -52,6 +59,13 @@ class IdempotentSender:
 
     ``give_up()`` turning true (a shutdown that waited long enough) ends every batch at once:
     what Kafka has not acknowledged is purged and reported ``not_attempted``.
+
+    One thread may start batches while another serves the producer (:meth:`wait`): the
+    client's delivery callbacks only queue their reports, and the reports are taken in, the
+    batches' deadlines checked and batches started under one lock, which nobody holds while
+    waiting for the client. ``clock`` reads the time (``time.monotonic``); ``watchdog``
+    purges at a deadline from a thread of its own, for a caller that may not serve the
+    producer in time (off for one that serves it all the time).
     """
 
     def __init__(
@@ -60,19 +74,28 @@ class IdempotentSender:
         delivery_timeout_ms: int,
         give_up: Callable[[], bool] = lambda: False,
         extra_config: Mapping[str, Any] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        watchdog: bool = True,
+        producer_factory: Callable[[dict[str, Any]], Producer] = Producer,
     ) -> None:
         self.delivery_timeout = delivery_timeout_ms / 1000
         self.give_up = give_up
+        self.clock = clock
         self.config = {**sending_config(kafka_config, delivery_timeout_ms), **(extra_config or {})}
-        self.producer = Producer(self.config)
+        self._make_producer = producer_factory
+        self.producer = producer_factory(self.config)
         self._flights: list[Flight] = []
         #: Batches that ended and were not handed out by :meth:`wait` yet.
         self._ended: list[Flight] = []
+        self._reports: deque[_Report] = deque()
         #: Held while a batch is produced (a purge between two records of a batch would fail
-        #: the first and let the later ones be acknowledged) and while reports are served:
-        #: the loop and the deadline watchdog both serve them, never at the same time.
+        #: the first and let the later ones be acknowledged), while reports are taken in, and
+        #: while the producer is purged.
         self._producing = threading.Lock()
-        self._watchdog = _DeadlineWatchdog(self._purge_now)
+        self._watchdog: _DeadlineWatchdog | None = (
+            _DeadlineWatchdog(self._purge_now) if watchdog else None
+        )
 
     @property
     def in_flight(self) -> int:
@@ -84,38 +107,45 @@ class IdempotentSender:
         records: Sequence[OutboxRecord],
         timeout: float | None = None,
         started: float | None = None,
+        tag: object = None,
     ) -> Flight:
         """Produce ``records`` in order; their reports arrive during :meth:`wait`.
 
         The batch ends ``timeout`` seconds (the delivery timeout by default) after ``started``
-        (a ``time.monotonic()`` reading; now by default).
+        (a reading of ``clock``; now by default); ``tag`` names it to the caller.
         """
         timeout = self.delivery_timeout if timeout is None else timeout
-        began = time.monotonic() if started is None else started
-        flight = Flight(records, began + timeout, timeout)
+        began = self.clock() if started is None else started
+        flight = Flight(records, began + timeout, timeout, tag=tag)
         with self._producing:
             self._flights.append(flight)
-            self._watchdog.watch(min(f.deadline for f in self._flights))
+            self._watch()
             for position, record in enumerate(records):
                 if not self._produce(flight, record):
                     # The local queue stayed full until the deadline or a shutdown: the rest
                     # of the batch is given back unsent (nothing of it reached the producer).
                     flight.result.not_attempted.extend(r.id for r in records[position:])
                     break
+            self._take_reports()
             self._settle_finished()
         return flight
 
     def wait(self, timeout: float) -> list[Flight]:
-        """Serve the producer up to ``timeout`` seconds, or until a batch settles; return the
-        batches that ended since the last call (in the order they were started)."""
-        with self._producing:  # the watchdog serves the reports too, never at the same time
-            if self._flights and not self._ended:
-                now = time.monotonic()
+        """Serve the producer up to ``timeout`` seconds, or until a report arrives; return
+        the batches that ended since the last call (in the order they were started)."""
+        with self._producing:
+            self._take_reports()
+            self._settle_finished()
+            if self._ended:
+                timeout = 0.0
+            elif self._flights:
                 first_deadline = min(f.deadline for f in self._flights)
-                wait = max(0.0, min(timeout, first_deadline - now))
-                self._guarded(lambda: self.producer.poll(wait))
-            else:
-                self._guarded(lambda: self.producer.poll(0 if self._ended else timeout))
+                timeout = max(0.0, min(timeout, first_deadline - self.clock()))
+        failed = _failure_of(lambda: self.producer.poll(timeout))
+        with self._producing:
+            self._take_reports()
+            if failed is not None:
+                self._replace(failed.str())
             # Only a batch still waiting for Kafka (or purged by the watchdog) at its deadline
             # ends the batches in flight: one acknowledged in full is not overdue.
             if self._flights and (self._overdue() or self.give_up()):
@@ -132,8 +162,25 @@ class IdempotentSender:
         return flight.result
 
     def serve_events(self) -> None:
+        failed = _failure_of(lambda: self.producer.poll(0))
+        if failed is not None:
+            with self._producing:
+                self._replace(failed.str())
+
+    def limit_batches(self, size: int, why: str) -> None:
+        """Keep the producer's requests to ``size`` bytes a partition from now on: a new
+        producer takes over (what the old one did not acknowledge is given back)."""
         with self._producing:
-            self.producer.poll(0)
+            if int(self.config.get("batch.size", 1_000_000)) <= size:
+                return
+            self.config["batch.size"] = size
+            self._replace(why)
+            self._settle_finished()
+
+    @property
+    def batch_bytes(self) -> int:
+        """The most bytes of one partition's records in one request."""
+        return int(self.config.get("batch.size", 1_000_000))
 
     def check_reachable(self, timeout: float) -> None:
         try:
@@ -149,8 +196,13 @@ class IdempotentSender:
                 self._settle_finished()
 
     def close(self, timeout: float = 30.0) -> None:
-        self._watchdog.stop()
-        self.producer.flush(timeout)
+        """Wait up to ``timeout`` for what the producer still sends, unless it failed for
+        good (then nothing of it is waited for: its rows stay pending)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        failed = _failure_of(lambda: self.producer.flush(timeout))
+        if failed is not None:
+            log.info("the producer closed as it stands: %s", failed.str())
 
     # -- internals -------------------------------------------------------------------------
 
@@ -169,11 +221,14 @@ class IdempotentSender:
             except BufferError:
                 # The earliest deadline, not this batch's: the purge that it calls for waits
                 # until this batch is produced, and must come before librdkafka's own timeout.
-                if time.monotonic() >= self._first_deadline() or self.give_up():
+                if self.clock() >= self._first_deadline() or self.give_up():
                     return False
                 self.producer.poll(0.05)  # the local queue is full: let deliveries drain it
+                self._take_reports()
             except KafkaException as exc:
+                # Refused before it was sent (too large for the client, say): its own error.
                 flight.result.errors[record.id] = exc.args[0]
+                flight.result.refused_alone.add(record.id)
                 return True
 
     def _first_deadline(self) -> float:
@@ -182,21 +237,27 @@ class IdempotentSender:
     def _report(
         self, flight: Flight, record: OutboxRecord, error: KafkaError | None, message: Message
     ) -> None:
-        if flight.outstanding <= 0:
-            return  # the batch was ended already (its producer was replaced)
-        flight.outstanding -= 1
-        partition, offset = message.partition(), message.offset()
-        if error is None and partition is not None and offset is not None:
-            flight.result.acks.append(Ack(record.id, partition, offset, record.generation))
-        else:
-            flight.result.errors[record.id] = error or KafkaError(KafkaError._FAIL, "no offset")
+        """The client's delivery callback (on whichever thread serves it): queued only."""
+        self._reports.append((flight, record, error, message.partition(), message.offset()))
+
+    def _take_reports(self) -> None:
+        """Take in the queued reports (under the lock)."""
+        while self._reports:
+            flight, record, error, partition, offset = self._reports.popleft()
+            if flight.settled or flight.outstanding <= 0:
+                continue  # the batch was ended already (purged, or its producer replaced)
+            flight.outstanding -= 1
+            if error is None and partition is not None and offset is not None:
+                flight.result.acks.append(Ack(record.id, partition, offset, record.generation))
+            else:
+                flight.result.errors[record.id] = error or KafkaError(KafkaError._FAIL, "no offset")
 
     def _end_all(self, stopping: bool) -> None:
         """A deadline passed (or a shutdown gave up): purge everything unacknowledged, in
         every batch, so that no later record of a key can be acknowledged after it."""
         self._guarded(lambda: self.producer.purge(in_queue=True, in_flight=True))
-        self._watchdog.watch(None)
         self._guarded(lambda: self.producer.flush(5))  # runs the purged messages' reports
+        self._take_reports()
         for flight in self._flights:
             purged = [rid for rid, err in flight.result.errors.items() if err.code() in _PURGED]
             for record_id in purged:
@@ -208,6 +269,7 @@ class IdempotentSender:
                         KafkaError._TIMED_OUT, f"not acknowledged within {flight.timeout:.0f}s"
                     )
             flight.outstanding = 0
+        self._watch()
 
     def _settle_finished(self) -> None:
         """Move the batches Kafka has answered for (or that were ended) to the ended list."""
@@ -215,7 +277,6 @@ class IdempotentSender:
         if not finished:
             return
         self._flights = [f for f in self._flights if f.outstanding > 0]
-        self._watchdog.watch(min((f.deadline for f in self._flights), default=None))
         for flight in finished:
             flight.settled = True
         self._ended.extend(finished)
@@ -225,28 +286,33 @@ class IdempotentSender:
                 flight.settled = True
             self._ended.extend(self._flights)
             self._flights = []
-            self._watchdog.watch(None)
+        self._watch()
+
+    def _watch(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.watch(min((f.deadline for f in self._flights), default=None))
 
     def _purge_now(self) -> None:
-        """The watchdog's call at a deadline the loop may be too busy to meet: purge at once,
-        so that librdkafka never times messages out one by one. The loop's next :meth:`wait`
+        """The watchdog's call at a deadline the caller may be too busy to meet: purge at
+        once, so that librdkafka never times messages out one by one. The next :meth:`wait`
         turns the purged reports into timeouts. Never while a batch is being produced.
 
-        The reports that arrived are served first: a batch Kafka acknowledged in full while
-        the loop was busy is not overdue, and purging at its deadline would fail the batches
-        after it (charging their messages an attempt). Only an overdue batch that still
-        waits for Kafka purges; otherwise the watch moves to the next deadline."""
+        The reports that arrived are taken in first: a batch Kafka acknowledged in full while
+        the caller was busy is not overdue, and purging at its deadline would fail the
+        batches after it (charging their messages an attempt). Only an overdue batch that
+        still waits for Kafka purges; otherwise the watch moves to the next deadline."""
         with self._producing:
             self._guarded(lambda: self.producer.poll(0))
+            self._take_reports()
             if self._overdue():
                 self.producer.purge(in_queue=True, in_flight=True)
-            else:
+            elif self._watchdog is not None:
                 waiting = (f.deadline for f in self._flights if f.outstanding > 0)
                 self._watchdog.watch(min(waiting, default=None))
 
     def _overdue(self) -> bool:
         """A batch's deadline passed while it still waits for Kafka (or was purged)."""
-        now = time.monotonic()
+        now = self.clock()
         return any(
             flight.deadline <= now
             and (
@@ -257,31 +323,59 @@ class IdempotentSender:
         )
 
     def _guarded(self, call: Callable[[], object]) -> None:
-        """Run a producer call; a fatal error raised from it ends every batch in flight."""
-        try:
-            call()
-        except (KafkaException, SystemError) as exc:
-            error = kafka_error_of(exc)
-            if error is None:
-                raise
-            self._replace(error.str())
+        """Run a producer call (under the lock); a fatal error raised from it ends every
+        batch in flight."""
+        failed = _failure_of(call)
+        if failed is not None:
+            self._replace(failed.str())
 
     def _replace(self, reason: str) -> None:
-        """The idempotent producer cannot go on: what it has not reported on is given back
-        unsent, and a new producer takes over."""
+        """The idempotent producer cannot go on: what it did not acknowledge is given back
+        unsent (the failures it reported for the producer's own state, fatal or purged, are
+        not the messages' own), and a new producer takes over.
+
+        The old one is purged and its reports served first: after a fatal error librdkafka
+        reports the records of the request that caused it (refused as too large, say) only
+        at a later poll, and those are the records' own."""
         log.warning("the idempotent producer failed for good (%s); starting a new one", reason)
+        old = self.producer
+        _failure_of(lambda: old.purge(in_queue=True, in_flight=True))
+        _failure_of(lambda: old.flush(2))
+        self._take_reports()
+        for flight in [*self._flights, *self._ended]:
+            for record_id, error in list(flight.result.errors.items()):
+                if _fatal(error) or error.code() in _PURGED:
+                    del flight.result.errors[record_id]
+                    flight.result.not_attempted.append(record_id)
         for flight in self._flights:
             done = {ack.id for ack in flight.result.acks} | set(flight.result.errors)
             done.update(flight.result.not_attempted)
             flight.result.not_attempted.extend(r.id for r in flight.records if r.id not in done)
             flight.outstanding = 0
-        self.producer = Producer(self.config)
+        self.producer = self._make_producer(self.config)
+
+
+def _failure_of(call: Callable[[], object]) -> KafkaError | None:
+    """Run a producer call; the Kafka error it raised (a fatal one: fenced, the gap-less
+    guarantee), or None. A delivery report that runs after such an error turns it into a
+    SystemError, whose cause is the Kafka error."""
+    try:
+        call()
+    except (KafkaException, SystemError) as exc:
+        error = kafka_error_of(exc)
+        if error is None:
+            raise
+        return error
+    return None
 
 
 def _fatal(error: KafkaError) -> bool:
     # A producer already in a fatal state fails later produce() calls with _FATAL, whose own
     # fatal flag is not set.
-    return bool(error.fatal()) or error.code() == KafkaError._FATAL
+    return bool(error.fatal()) or error.code() in (KafkaError._FATAL, _GAPLESS)
+
+
+_GAPLESS = KafkaError._GAPLESS_GUARANTEE
 
 
 class _DeadlineWatchdog:

@@ -61,6 +61,13 @@ class BatchResult:
     errors: dict[uuid.UUID, KafkaError] = field(default_factory=dict)
     not_attempted: list[uuid.UUID] = field(default_factory=list)
     lost_shards: list[int] = field(default_factory=list)
+    #: Records whose error is their own for certain: the producer refused them before
+    #: sending (a local size check, a topic it does not know), not a broker refusing a
+    #: request that held other records too.
+    refused_alone: set[uuid.UUID] = field(default_factory=set)
+    #: Exactly-once: what failed the transaction as a whole rather than one of its records
+    #: (its progress record refused, say); None otherwise.
+    batch_error: KafkaError | None = None
 
 
 def sending_config(kafka_config: Mapping[str, Any], delivery_timeout_ms: int) -> dict[str, Any]:
@@ -82,6 +89,7 @@ def produce_batch(
     give_up: Callable[[], bool] = lambda: False,
     *,
     purge_in_flight: bool = True,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Produce ``records`` in order and wait up to ``timeout`` seconds for every report.
 
@@ -92,7 +100,7 @@ def produce_batch(
     Inside a Kafka transaction pass ``purge_in_flight=False``: requests already sent are left
     to complete, as librdkafka's own abort does, and the caller aborts the transaction.
     """
-    deadline = time.monotonic() + timeout
+    deadline = clock() + timeout
     pending = 0
 
     def report(record: OutboxRecord, error: KafkaError | None, message: Message) -> None:
@@ -118,18 +126,19 @@ def produce_batch(
                 pending += 1
                 break
             except BufferError:
-                if time.monotonic() >= deadline or give_up():
+                if clock() >= deadline or give_up():
                     unsent = list(records[position:])  # the local queue stayed full
                     break
                 producer.poll(0.05)  # the local queue is full: let deliveries drain it
             except KafkaException as exc:
-                result.errors[record.id] = exc.args[0]
+                result.errors[record.id] = exc.args[0]  # refused before it was sent
+                result.refused_alone.add(record.id)
                 break
         if unsent:
             break
-    while pending > 0 and time.monotonic() < deadline and not give_up():
-        producer.flush(min(1.0, max(0.0, deadline - time.monotonic())))
-    stopping = time.monotonic() < deadline  # left early: a shutdown gave up waiting
+    while pending > 0 and clock() < deadline and not give_up():
+        producer.flush(min(1.0, max(0.0, deadline - clock())))
+    stopping = clock() < deadline  # left early: a shutdown gave up waiting
     if pending > 0:
         producer.purge(in_queue=True, in_flight=purge_in_flight)
         if purge_in_flight:

@@ -3,7 +3,7 @@
 Cheap on a large table: pending and prepared rows are counted through their partial indexes
 (a table of millions of sent rows costs what its backlog costs), the other statuses come from
 the planner's statistics unless ``exact`` asks for one scan of the table. Relays are found by
-the advisory locks they hold (see :mod:`outbox.relay.ownership`), not by anything they write:
+the advisory locks they hold (see :mod:`outbox.relay.leases`), not by anything they write:
 a relay that died holds nothing, at once.
 """
 

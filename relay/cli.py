@@ -102,15 +102,6 @@ if TYPE_CHECKING:
     help="How long Kafka may take to acknowledge one attempt.",
 )
 @click.option(
-    "--lease-seconds",
-    default=360.0,
-    show_default=True,
-    envvar="OUTBOX_RELAY_LEASE_SECONDS",
-    show_envvar=True,
-    hidden=True,  # accepted for existing deployments: the relay no longer leases rows
-    help="No longer used: the relay reads its shards' rows without leasing them.",
-)
-@click.option(
     "--transactional-id-prefix",
     default=None,
     envvar="OUTBOX_RELAY_TRANSACTIONAL_ID_PREFIX",
@@ -141,7 +132,7 @@ if TYPE_CHECKING:
     envvar="OUTBOX_RELAY_WEDGE_TIMEOUT",
     show_envvar=True,
     help="Seconds a mark (recording what Kafka answered for a batch) or a shard's take-over "
-    "may last before /healthz answers 503 wedged (a take-over gives up after 60 s on its own).",
+    "may last before /healthz answers 503 wedged (a take-over gives up after 25 s on its own).",
 )
 @click.option(
     "--shutdown-timeout",
@@ -166,7 +157,6 @@ def relay(
     backoff_base: float,
     backoff_max: float,
     delivery_timeout_ms: int,
-    lease_seconds: float,
     transactional_id_prefix: str | None,
     progress_topic: str | None,
     delete_on_send: bool,
@@ -208,7 +198,6 @@ def relay(
             batch_size=batch_size,
             poll_interval=poll_interval,
             rebalance_interval=rebalance_interval,
-            lease_seconds=lease_seconds,
             delivery_timeout_ms=delivery_timeout_ms,
             retry=RetryPolicy(max_attempts, backoff_base, backoff_max),
             transactional_id_prefix=transactional_id_prefix,

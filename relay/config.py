@@ -50,9 +50,6 @@ class RelayConfig:
     #: Shards move within about this long (a dead relay's, a joining relay's share); a
     #: rebalance that changes nothing costs two small queries.
     rebalance_interval: float = 0.5
-    #: No longer used: the relay reads its shards' rows without leasing them. Kept so that
-    #: existing deployments that set it still start.
-    lease_seconds: float = 360.0
     # Long, so that a broker outage of minutes is ridden out inside the idempotent producer,
     # in order; only longer ones turn into per-message retries with backoff.
     delivery_timeout_ms: int = 300_000
@@ -66,8 +63,8 @@ class RelayConfig:
     #: At-least-once marks wait for the WAL flush too (exactly-once marks always do).
     durable_marks: bool = False
     #: Seconds a mark (what Kafka answered being recorded) or a shard's take-over may last
-    #: before /healthz answers 503 "wedged": a mark is one statement, and a take-over's
-    #: init_transactions gives up after 60 s, so longer means a lock held or a hang.
+    #: before /healthz answers 503 "wedged": a mark is one statement, and a take-over gives up
+    #: after 25 s (init_transactions 10 s, the progress read 15 s), so longer is a hang.
     wedge_timeout: float = 90.0
 
     def __post_init__(self) -> None:

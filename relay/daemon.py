@@ -1,104 +1,66 @@
-"""The relay loop: read the next rows of idle shards, start sending them, record what ended.
+"""The relay: its loop, its threads, its sessions, and its shutdown.
 
-The loop keeps Kafka and PostgreSQL busy at once: while one batch is on its way to Kafka, the
-outcome of the last one is recorded and the next one read. A shard has at most one batch in
-flight, and its next rows are read only after that batch's outcome is recorded: so nothing is
-sent twice by one relay, and a key's messages go in order, also across retries.
+The relay is a core that decides (:mod:`outbox.relay.core`) and adapters that do the I/O,
+wired by :mod:`outbox.relay.driver`:
 
-Each mechanism of the loop lives in a module of its own, whose docstring states the invariant
-it keeps and what it assumes of the others; :class:`Relay` is made of them:
+- the source (:mod:`outbox.relay.table_source`): the reading session; reads, due scheduled
+  rows, the wake-up handshake with the writers;
+- the sender (:mod:`outbox.relay.sender`, :mod:`outbox.relay.transactions`): the producers,
+  served by a thread of their own;
+- the recorder (:mod:`outbox.relay.recorder`): marks and failures, on marking sessions of its
+  own, in the background;
+- the leases (:mod:`outbox.relay.leases`): the owner session and its advisory locks.
 
-- :mod:`outbox.relay.reading`: read the next rows of idle shards and start them on their way;
-- :mod:`outbox.relay.marking`: record what Kafka answered, in the background, and free the
-  batch's shards;
-- :mod:`outbox.relay.sleeping`: when an idle relay sleeps, and whether it watches for writers;
-- :mod:`outbox.relay.rebalancing`: join, let shards go (drained first), take gained ones over;
-- :mod:`outbox.relay.serving`: whether the relay reaches Kafka, and stepping aside;
-- :mod:`outbox.relay.sessions`: the owner, reading and marking sessions, and what a lost one
-  lets go;
-- :mod:`outbox.relay.state`: the state they share, and the steps each asks of the others.
+Each turn of the loop gives the core the time (what fell due: a rebalance, a record to try
+again), makes the reads it asks for, takes in what the adapters answered meanwhile, and then
+waits: for an answer while anything is in flight, being recorded or taken over; on the
+source's wake-up (a writer's commit, the poll interval) when there is nothing to do.
 
-This module holds the loop itself (:meth:`Relay.run` and one :meth:`Relay._step` per turn),
-and the shutdown: it stops reading (SIGTERM/SIGINT), lets the batches in flight finish and be
-recorded, releases the shards and exits 0.
+SIGTERM or SIGINT: the relay stops reading, lets what is in flight end and be recorded (half
+of ``shutdown_timeout`` at most, then what Kafka has not acknowledged is given back), releases
+its shards and exits 0. A lost session (any of them) lets go of everything: what is in flight
+is forgotten (its rows stay pending for the shards' next owner), the sessions close, and the
+relay connects again.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import queue
 import signal
+import threading
 import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any, Protocol
 
 import psycopg
 from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient
 from sqlalchemy import exc as sa_exc
 
-from outbox.relay.config import masked_kafka_config
-from outbox.relay.marking import (
-    LOST_SHARD_HOLD_OFF,
-    MARK_RETRY_SECONDS,
-    WAIT_SLICE,
-    OutcomeMarking,
-)
-from outbox.relay.observability import mask_secrets, serve
-from outbox.relay.reading import EXACTLY_ONCE_READ_GROUPS, READ_GROUPS, BatchReading
-from outbox.relay.rebalancing import GAUGE_INTERVAL, Rebalancing
-from outbox.relay.serving import (
-    FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE,
-    FAILED_TAKE_OVERS_FORGOTTEN_SECONDS,
-    KAFKA_PROBE_TIMEOUT,
-    LONGEST_STEP_ASIDE_SECONDS,
-    NOBODY_SERVING_GRACE,
-    RECENT_ACK_SECONDS,
-    RECENT_FAILURE_SECONDS,
-    SERVING_REFRESH_SECONDS,
-    STEP_ASIDE_SECONDS,
-    UNANSWERED_SECONDS,
-    UNREACHABLE_BEFORE_STEPPING_ASIDE,
-    Serving,
-)
-from outbox.relay.sessions import RelaySessions
-from outbox.relay.sleeping import HELD_RELOOK_SECONDS, Sleeping
-from outbox.relay.state import MARKERS
-
-#: The tunables of the loop, importable from here as they always were (each is defined in the
-#: module of the mechanism it tunes: patch it there).
-__all__ = [
-    "EXACTLY_ONCE_READ_GROUPS",
-    "FAILED_TAKE_OVERS_BEFORE_STEPPING_ASIDE",
-    "FAILED_TAKE_OVERS_FORGOTTEN_SECONDS",
-    "GAUGE_INTERVAL",
-    "GC_THRESHOLDS",
-    "HELD_RELOOK_SECONDS",
-    "KAFKA_PROBE_TIMEOUT",
-    "LONGEST_STEP_ASIDE_SECONDS",
-    "LOST_SHARD_HOLD_OFF",
-    "MARKERS",
-    "MARK_RETRY_SECONDS",
-    "MAX_ERROR_PAUSE",
-    "NOBODY_SERVING_GRACE",
-    "READ_GROUPS",
-    "RECENT_ACK_SECONDS",
-    "RECENT_FAILURE_SECONDS",
-    "RECORDING_POLL",
-    "SERVING_REFRESH_SECONDS",
-    "STEP_ASIDE_SECONDS",
-    "UNANSWERED_SECONDS",
-    "UNREACHABLE_BEFORE_STEPPING_ASIDE",
-    "WAIT_SLICE",
-    "Relay",
-    "tune_garbage_collector",
-]
+from outbox.engines import sender_engine
+from outbox.relay.commands import BatchEnded, Event, Woken
+from outbox.relay.config import RelayConfig, masked_kafka_config
+from outbox.relay.connections import open_session
+from outbox.relay.core import RelayCore
+from outbox.relay.driver import Driver
+from outbox.relay.leases import Leases
+from outbox.relay.observability import HealthState, RelayMetrics, mask_secrets, serve
+from outbox.relay.progress import ensure_progress_topic
+from outbox.relay.reach import FIRST_PAUSE, LONGEST_PAUSE
+from outbox.relay.recorder import Recorder
+from outbox.relay.sender import KAFKA_LOG, AtLeastOnceSender, Sender
+from outbox.relay.store import RelayStore
+from outbox.relay.table_source import TableSource
+from outbox.relay.transactions import TRANSACTION_MARGIN_MS, ExactlyOnceSender
 
 log = logging.getLogger("outbox.relay")
 
-#: Longest pause after the database or Kafka failed, before trying again.
-MAX_ERROR_PAUSE = 10.0
-#: The wait for an outcome being recorded while batches are in flight: Kafka's reports
-#: are served at least this often meanwhile.
-RECORDING_POLL = 0.002
 #: Garbage collector thresholds of the relay process (see tune_garbage_collector).
 GC_THRESHOLDS = (50_000, 20, 100)
 
@@ -109,8 +71,8 @@ def tune_garbage_collector() -> None:
     A batch makes thousands of objects that live until its outcome is recorded, so the
     default thresholds run full collections over every live object many times a second:
     measured, a third of the loop's time with exactly-once batches. The relay makes few
-    cycles (a constant few hundred objects, however many messages it sends); the objects
-    that exist when this is called (the modules loaded) are frozen out of the scans.
+    cycles; the objects that exist when this is called (the modules loaded) are frozen out of
+    the scans.
 
     Process-wide: ``outbox relay`` calls it; an application that embeds a relay decides.
     """
@@ -118,24 +80,113 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-class Relay(RelaySessions, BatchReading, OutcomeMarking, Rebalancing, Serving, Sleeping):
-    """One relay instance. ``run()`` blocks until :meth:`stop` (or a signal) and returns 0."""
+class EventQueue(Protocol):
+    """Where the adapters' answers wait for the loop (a ``queue.SimpleQueue``)."""
+
+    def put(self, item: Event | BaseException) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Event | BaseException: ...
+
+    def get_nowait(self) -> Event | BaseException: ...
+
+
+class Waits(Protocol):
+    """The stop flag the loop waits on between tries (a ``threading.Event``)."""
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+@dataclass
+class Parts:
+    """What a relay is made of besides its core and driver: its adapters, the executor of
+    its slow work, where answers queue, its clock and its stop flag. :meth:`Relay` makes the
+    real ones; the model-based test makes simulated ones (and drives :meth:`Relay.step`)."""
+
+    source: TableSource
+    leases: Leases
+    recorder: Recorder
+    make_sender: Callable[[Relay], Sender]
+    background: Executor
+    events: EventQueue
+    clock: Callable[[], float] = time.monotonic
+    stop: Waits = field(default_factory=threading.Event)
+    #: Whether the sender gets a thread of its own to serve it (the simulation serves it).
+    serving_thread: bool = True
+
+
+class Relay:
+    """One relay instance. ``run()`` blocks until :meth:`stop` (or a signal) and returns 0
+    (1: Kafka's client refused its settings)."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        metrics: RelayMetrics | None = None,
+        *,
+        parts: Callable[[Relay], Parts] | None = None,
+    ) -> None:
+        self.config = config
+        self.owner = f"relay-{uuid.uuid4()}"
+        self.metrics = metrics or RelayMetrics()
+        # A batch may wait for Kafka up to the delivery timeout, and an exactly-once commit
+        # be resumed until its transaction times out, without the loop turning.
+        self.health = HealthState(
+            stale_after=max(
+                30.0,
+                5 * config.poll_interval,
+                (config.delivery_timeout_ms + TRANSACTION_MARGIN_MS) / 1000 + 30,
+            ),
+            wedge_after=config.wedge_timeout,
+        )
+        self.core = RelayCore(
+            exactly_once=config.exactly_once,
+            batch_size=config.batch_size,
+            retry=config.retry,
+            rebalance_interval=config.rebalance_interval,
+        )
+        made = (parts or _real_parts)(self)
+        self.source, self.leases, self.recorder = made.source, made.leases, made.recorder
+        self._make_sender = made.make_sender
+        self._background = made.background
+        self._events = made.events
+        self._clock = made.clock
+        self._stop = made.stop
+        self._serve_in_thread = made.serving_thread
+        self.sender: Sender | None = None
+        self.driver: Driver | None = None
+        self._stop_requested_at = 0.0
+        self._serving_thread: threading.Thread | None = None
+        self.metrics_server_port: int | None = None
+
+    # -- what tests and operators see ------------------------------------------------------
+
+    @property
+    def owned_shards(self) -> frozenset[int]:
+        """The shards this relay owns now."""
+        return frozenset(self.core.owned)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the relay sleeps, watching for commits (writers notify it)."""
+        return self.source.asleep
+
+    @property
+    def batches(self) -> int:
+        """Batches sent and answered so far."""
+        return self.driver.batches if self.driver is not None else 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the loop to finish the batch in hand and exit."""
+        """Ask the loop to finish what is in flight and exit."""
         if not self._stop.is_set():
-            self._stop_requested_at = time.monotonic()
+            self._stop_requested_at = self._clock()
         self._stop.set()
         self.health.stopping = True
-
-    def _shutdown_overdue(self) -> bool:
-        """A stop was asked for and the batch in hand had its share of the shutdown time."""
-        return (
-            self._stop.is_set()
-            and time.monotonic() - self._stop_requested_at > self.config.shutdown_timeout / 2
-        )
 
     def install_signal_handlers(self) -> None:
         def handle(signum: int, _frame: FrameType | None) -> None:
@@ -163,132 +214,272 @@ class Relay(RelaySessions, BatchReading, OutcomeMarking, Rebalancing, Serving, S
             self.config.batch_size,
             masked_kafka_config(self.config.kafka),
         )
-        pause = 0.5
-        exit_code = 0
         try:
-            while not self._stop.is_set():
-                try:
-                    self._connect()
-                    self._maybe_rebalance()
-                    busy = self._step()
-                    self.health.tick()
-                    self.health.working_since(
-                        self._oldest_unfinished(), self._oldest_mark_or_take_over()
-                    )
-                    pause = 0.5
-                    assert self._wake is not None
-                    if busy:
-                        # Busy: look again at once, and let writers commit without notifying.
-                        self._wake.busy()
-                    elif self.health.stepped_aside or not self._owns_shards():
-                        # Owning no shard, it must not watch for the others: writers would
-                        # notify at every commit while they work.
-                        self._wake.away()
-                        self._stop.wait(self._sleep_timeout())
-                    else:
-                        self._wake.idle(self._idle_timeout())
-                except (
-                    psycopg.OperationalError,
-                    sa_exc.OperationalError,
-                    sa_exc.InterfaceError,
-                ) as error:
-                    self._lost_database(error)
-                    self._stop.wait(pause)
-                    pause = min(MAX_ERROR_PAUSE, pause * 2)
-                except (KafkaException, TimeoutError) as error:
-                    self.health.kafka_ok = False
-                    self._give_up_watch()
-                    self._not_serving()
-                    # TimeoutError: Kafka did not answer in time (progress reads in a take-over).
-                    if (
-                        isinstance(error, KafkaException)
-                        and error.args[0].code() == KafkaError._INVALID_ARG
-                    ):
-                        # A setting Kafka's client refuses: no retry will change it.
-                        log.critical("Kafka client settings refused: %s", error.args[0].str())
-                        exit_code = 1
-                        break
-                    log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), pause)
-                    self._stop.wait(pause)
-                    pause = min(MAX_ERROR_PAUSE, pause * 2)
+            while not self._finished() and self.exit_code is None:
+                self.step()
         finally:
-            self._shutdown()
+            self.shutdown()
             if server is not None:
                 server.shutdown()
-        return exit_code
+        return self.exit_code or 0
 
-    # -- the steps ---------------------------------------------------------------------------
+    #: Set when the relay must exit without being asked (1: Kafka refused its settings).
+    exit_code: int | None = None
+    _pause = FIRST_PAUSE
 
-    def _step(self) -> bool:
-        """Record the batches that ended, start the next one if shards are idle, else wait for
-        one in flight. Returns whether there is work (False: idle, nothing in flight)."""
-        assert self._publisher is not None
-        self._collect_recordings(block=False)
-        self._settle(self._publisher.wait(0))
-        self._finish_take_overs()
-        started = False if self._stop.is_set() else self._start_next()
-        settled = False
-        if self._publisher.in_flight and not started:
-            if self._recorder.running:
-                # An outcome is being recorded: its shards are read again as soon as it is,
-                # and Kafka is served between short waits for it.
-                settled = self._settle(self._publisher.wait(0))
-                if not settled:
-                    self._recorder.wait(RECORDING_POLL)
-            else:
-                settled = self._settle(self._publisher.wait(WAIT_SLICE))
-        elif len(self._recorder) and not started:
-            # Whichever outcome is recorded first frees its shards: not the oldest one's wait.
-            self._recorder.wait(WAIT_SLICE)
-            settled = self._collect_recordings(block=False)
-        elif len(self._take_overs) and not started:
-            # Rows committed to shards being taken over woke nobody: read them when it ends.
-            self._take_overs.wait(WAIT_SLICE)
+    def step(self) -> None:
+        """One round of the loop: connect if need be, then one turn; a lost database or an
+        unreachable Kafka is let go of and tried again after a pause (doubling, at most
+        LONGEST_PAUSE)."""
+        try:
+            self._connect()
+            self._turn()
+            self._pause = FIRST_PAUSE
+        except (psycopg.OperationalError, sa_exc.OperationalError, sa_exc.InterfaceError) as error:
+            self._lost_database(error)
+            self._stop.wait(self._pause)
+            self._pause = min(LONGEST_PAUSE, self._pause * 2)
+        except (KafkaException, TimeoutError) as error:
+            self.health.kafka_ok = False
+            if (
+                isinstance(error, KafkaException)
+                and error.args[0].code() == KafkaError._INVALID_ARG
+            ):
+                # A setting Kafka's client refuses: no retry will change it.
+                log.critical("Kafka client settings refused: %s", error.args[0].str())
+                self.exit_code = 1
+                return
+            log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), self._pause)
+            self._stop.wait(self._pause)
+            self._pause = min(LONGEST_PAUSE, self._pause * 2)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        """One turn: the core's due work and reads, what the adapters answered, the wait."""
+        driver = self.driver
+        assert driver is not None
+        now = self._clock()
+        if self._stop.is_set():
+            self.core.stop()
+        found = driver.turn(now)
+        self._take_events(timeout=None)
+        self.health.tick()
+        self.health.working_since(self._oldest_unfinished(), self._oldest_mark_or_take_over())
+        if self._finished():
+            return
+        now = self._clock()
+        until, idle = self.core.wait_until(now)
+        timeout = max(0.0, min(until - now, self.config.poll_interval))
+        if found or not idle:
+            self.source.busy()
+            if not found:
+                self._take_events(timeout)
+        elif not self.core.owned or not self.core.joined:
+            # Owning no shard, it must not watch for the others: writers would notify at
+            # every commit while they work.
+            self.source.away()
+            self._take_events(timeout)
+        elif self.source.sleep(timeout):
+            driver.handle(Woken(), self._clock())
+
+    def _take_events(self, timeout: float | None) -> None:
+        """Hand the adapters' answers to the driver: those queued now, or (``timeout``) the
+        first one to come within that long and those queued after it."""
+        assert self.driver is not None
+        try:
+            item = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, BaseException):
+                raise item  # a session broke under a statement run in the background
+            self.driver.handle(item, self._clock())
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _finished(self) -> bool:
+        """Stopping, and what is in flight ended and was recorded (or the shutdown's time for
+        it is up)."""
+        if not self._stop.is_set():
+            return False
+        waited = self._clock() - self._stop_requested_at
+        if self.driver is None or self.core.idle:
             return True
-        # A batch just recorded may have left rows behind it (the batch size, a shard's
-        # window): look again before sleeping, since no commit is left to wake this relay.
-        return started or settled or self._publisher.in_flight > 0 or len(self._recorder) > 0
+        if waited > self.config.shutdown_timeout / 2 and not self.core.in_flight:
+            return True  # records held by row locks: their rows stay pending for the next owner
+        return waited > self.config.shutdown_timeout
+
+    def _shutdown_overdue(self) -> bool:
+        """A stop was asked for and the batches in flight had their share of the shutdown
+        time: what Kafka has not acknowledged is given back."""
+        return (
+            self._stop.is_set()
+            and self._clock() - self._stop_requested_at > self.config.shutdown_timeout / 2
+        )
 
     def _oldest_unfinished(self) -> float | None:
-        """When the oldest batch (in flight or being marked) or take-over still running
-        began: one that never ends wedges its shards while the others go on."""
-        began = [began for _, began, _ in self._busy_shards.values()]
-        began.append(self._take_overs.oldest_start() or float("inf"))
-        oldest = min(began)
-        return None if oldest == float("inf") else oldest
+        """When the oldest batch in flight, record or take-over began: one that never ends
+        wedges its shards while the others go on."""
+        began = [
+            self.core.waiting_since(),
+            self.core.oldest_recording(),
+            *(self.driver.take_overs.values() if self.driver else ()),
+        ]
+        return min((b for b in began if b is not None), default=None)
 
     def _oldest_mark_or_take_over(self) -> float | None:
-        """When the oldest mark being recorded or take-over still running began."""
-        started = (self._recorder.oldest_submitted(), self._take_overs.oldest_start())
-        return min((began for began in started if began is not None), default=None)
+        began = [
+            self.core.oldest_recording(),
+            *(self.driver.take_overs.values() if self.driver else ()),
+        ]
+        return min((b for b in began if b is not None), default=None)
 
-    def _shutdown(self) -> None:
+    # -- sessions --------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        # Kafka first: a sender that could not be made (broker unreachable) is retried on the
+        # next round even when the database connection is already up.
+        if self.sender is None:
+            self.sender = self._make_sender(self)
+            self.driver = Driver(
+                self.core,
+                source=self.source,
+                sender=self.sender,
+                recorder=self.recorder,
+                leases=self.leases,
+                background=self._background,
+                post=self._events.put,
+                metrics=self.metrics,
+                health=self.health,
+            )
+            if self._serve_in_thread:
+                self._serving_thread = threading.Thread(
+                    target=self._serve_sender, name="outbox-kafka", daemon=True
+                )
+                self._serving_thread.start()
+        if self.leases.connected and self.source.connected and self.recorder.connected:
+            return
+        if self._connected:
+            # Broken under a statement whose error the loop has not seen yet: what the old
+            # sessions held is let go of first.
+            self._lost_database(psycopg.OperationalError("a relay session was closed"))
+        try:
+            key = self.leases.connect()
+            self.source.connect(key, self.owner)
+            self.recorder.connect(key, self.owner)
+        except BaseException:
+            self.recorder.forget()
+            self.source.forget()
+            self.leases.forget()
+            raise
+        self._connected = True
+        self.health.database_ok = True
+        log.info("connected; listening on %s", self.config.spec.notify_channel)
+
+    def _serve_sender(self) -> None:
+        """The sender's own thread: serve its client, hand ended batches to the loop."""
+        while not self._closing:
+            try:
+                self.serve_sender(0.2)
+            except Exception:  # never let the reports stop: the loop would wait for ever
+                log.exception("serving the Kafka client failed")
+                time.sleep(0.2)
+
+    def serve_sender(self, timeout: float) -> None:
+        """Serve the sender up to ``timeout``; queue the batches that ended for the loop."""
+        assert self.sender is not None
+        for batch, result in self.sender.serve(timeout):
+            self._events.put(BatchEnded(batch, result))
+
+    _closing = False
+
+    def make_kafka_sender(self) -> Sender:
+        """The real sender for this relay's mode."""
+        if not self.config.exactly_once:
+            return AtLeastOnceSender(
+                self.config.kafka, self.config.delivery_timeout_ms, self._shutdown_overdue
+            )
+        settings: dict[str, Any] = {
+            k: v
+            for k, v in self.config.kafka.items()
+            if not k.startswith(("linger", "compression"))
+        }
+        settings["logger"] = KAFKA_LOG
+        admin = AdminClient(settings)
+        try:
+            ensure_progress_topic(admin, self.config.progress_topic_name)
+        finally:
+            admin.poll(0)  # hands its log lines over
+        return ExactlyOnceSender(
+            self.config.kafka,
+            transactional_id_prefix=self.config.transactional_prefix,
+            progress_topic=self.config.progress_topic_name,
+            owner=self.owner,
+            delivery_timeout_ms=self.config.delivery_timeout_ms,
+            give_up=self._shutdown_overdue,
+        )
+
+    _connected = False
+
+    def _lost_database(self, error: Exception) -> None:
+        log.error("database unreachable: %s", mask_secrets(str(error).splitlines()[0]))
+        self._connected = False
+        self.health.database_ok = False
+        if self.driver is not None:
+            # The shards' locks went with the connection: another relay may take them over
+            # and send the same rows. What is in flight is stopped and forgotten; its rows
+            # stay pending, read again by whoever owns the shards next.
+            self.driver.execute(self.core.lost_database(), self._clock())
+        self.recorder.forget()  # no statement may run on a session when it is closed
+        self.source.forget()
+        self.leases.forget()
+        self.metrics.owned_shards.set(0)
+
+    def shutdown(self) -> None:
+        """Release the shards, close everything (the end of :meth:`run`)."""
         released: list[int] = []
+        self.recorder.abandon()  # before the shards are let go
         try:
-            if self._publisher is not None and self._busy_shards:
-                self._drain()  # give_up (half the shutdown timeout) cuts it short
-        except Exception as error:  # the rows stay pending: the next owner sends them
-            log.warning("batches in flight at shutdown not recorded: %s", error)
-        self._recorder.abandon()  # before the shards are let go
-        self._take_overs.ended(wait_for_all=True)
-        self._take_overs.close()
-        try:
-            if self._ownership is not None and self._conn is not None and not self._conn.closed:
-                released = self._ownership.release_all()
-                if self._wake is not None:
-                    self._wake.away()  # an idle relay in this one's care takes the watch
+            if self.leases.connected:
+                released = self.leases.release_all()
+                self.source.away()  # an idle relay in this one's care takes the watch
         except psycopg.Error:
             pass  # the locks go with the connection anyway
-        self._recorder.close()
-        if self._publisher is not None:
-            self._publisher.close()
-        for session in self._sessions():
-            session.close()
-        self.store.close()
-        self.engine.dispose()
+        self._closing = True
+        if self._serving_thread is not None:
+            self._serving_thread.join(5)
+        self._background.shutdown(wait=True, cancel_futures=True)
+        self.recorder.close()
+        if self.sender is not None:
+            self.sender.close()
+        self.source.close()
+        self.leases.forget()
         log.info(
             "relay %s stopped after %d batches; released shards %s",
             self.owner,
             self.batches,
             released,
         )
+
+
+def _real_parts(relay: Relay) -> Parts:
+    config = relay.config
+    # The store's engines open no connection unless a test or the CLI asks them to.
+    store = RelayStore(
+        sender_engine(config.database_url, durable=False),
+        config.spec,
+        relay.owner,
+        config.delete_on_send,
+    )
+    events: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
+    return Parts(
+        source=TableSource(config, store, relay.metrics),
+        leases=Leases(config.spec, lambda: open_session(config, relay.owner)),
+        recorder=Recorder(config, store, relay.metrics, events.put),
+        make_sender=Relay.make_kafka_sender,
+        background=ThreadPoolExecutor(max_workers=4, thread_name_prefix="outbox-relay"),
+        events=events,
+    )

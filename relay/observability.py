@@ -73,6 +73,12 @@ class RelayMetrics:
             "Scheduled messages this relay made pending when they were due",
             registry=r,
         )
+        self.batches_failed = Counter(
+            "outbox_relay_batches_failed",
+            "Batches that failed as a whole, nothing of them acknowledged (a transaction refused"
+            " or aborted, a producer lost); their messages are sent again",
+            registry=r,
+        )
         self.order_gaps = Counter(
             "outbox_relay_order_gaps",
             "Messages acknowledged after an earlier message of their key failed (never expected)",

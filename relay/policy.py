@@ -9,7 +9,14 @@ from confluent_kafka import KafkaError
 
 from outbox.rows import UNDECODABLE
 
-__all__ = ["ATTEMPTS_EXHAUSTED", "RETRIABLE", "UNDECODABLE", "RetryPolicy", "classify"]
+__all__ = [
+    "ATTEMPTS_EXHAUSTED",
+    "REFUSED_WITH_OTHERS",
+    "RETRIABLE",
+    "UNDECODABLE",
+    "RetryPolicy",
+    "classify",
+]
 
 # Errors no retry can cure: the row goes straight to the dead state with the reason.
 PERMANENT_ERRORS: dict[int, str] = {
@@ -28,6 +35,11 @@ PERMANENT_ERRORS: dict[int, str] = {
     KafkaError.INVALID_REQUIRED_ACKS: "invalid_record",
     KafkaError._INVALID_ARG: "invalid_record",
 }
+
+#: Refusals of a whole produce request for one record's size or content: the broker answers
+#: every record of the request with the same error, so it names the record only when the
+#: request held nothing else.
+REFUSED_WITH_OTHERS = frozenset({"message_too_large", "invalid_record"})
 
 RETRIABLE = "retriable"
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"

@@ -7,6 +7,11 @@ scheduled rows of the shards it owns pending, each with a new seq, in the order 
 in their keys' order then, as committed prepared messages do. With nothing due that costs
 two probes of the scheduled index per shard (its due end, and the first entry ahead).
 
+A due row another transaction holds locked (a cancel in progress, inside a business
+transaction that may still roll back) is skipped, and so are its key's later due rows
+(:func:`promotable`): promoted past it, they would take lower seqs and go first. The look is
+made again :data:`LOCKED_RELOOK` later, also by an idle relay.
+
 The look is made at most every :data:`PROMOTE_INTERVAL` seconds (a busy relay reads every few
 milliseconds), and at once when the next due time it learned has come or its shards changed.
 An idle relay sleeps no longer than until that time: it wakes for the next due message instead
@@ -21,10 +26,12 @@ for the next owner of their shard; none of them is in a progress record yet.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+import uuid
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
-import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from outbox.queries import Queries
@@ -41,6 +48,35 @@ DUE_SLACK = 0.002
 #: Seconds between two counts of every scheduled row for the gauge (a count of a million
 #: takes a tenth of a second); overdue rows are counted at each refresh.
 COUNT_INTERVAL = 60.0
+#: Seconds before a look again after a due row was skipped, held locked by another
+#: transaction: a cancel that rolls back is sent about this long after.
+LOCKED_RELOOK = 1.0
+
+
+@dataclass(frozen=True)
+class DueRow:
+    """A due scheduled row, as the promotion sees it."""
+
+    id: uuid.UUID
+    deliver_at: datetime
+    seq: int
+    topic: str
+    key: bytes | None
+
+
+def promotable(due: Sequence[DueRow], free: Collection[uuid.UUID]) -> list[DueRow]:
+    """The rows of ``due`` (in due order) to make pending now: those ``free`` of other
+    transactions' locks, but for a key's rows after its first locked one."""
+    stopped: set[tuple[str, bytes]] = set()
+    going = []
+    for row in due:
+        key = None if row.key is None else (row.topic, row.key)
+        if row.id not in free:
+            if key is not None:
+                stopped.add(key)
+        elif key is None or key not in stopped:
+            going.append(row)
+    return going
 
 
 class ScheduledPromotion:
@@ -60,6 +96,7 @@ class ScheduledPromotion:
         dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
         self._due_sql = str(self.queries["due_scheduled"].compile(dialect=dialect))
         self._promote_sql = str(self.queries["promote_scheduled"].compile(dialect=dialect))
+        self._lock_sql = str(self.queries["lock_due_scheduled"].compile(dialect=dialect))
         self._shards: tuple[int, ...] = ()
         #: Monotonic times: the next look allowed, and when the next scheduled row is due.
         self._next_look = float("-inf")
@@ -97,8 +134,11 @@ class ScheduledPromotion:
                 **self.queries.spec.owner_session_keys,
             },
         ).fetchall()
-        due = sorted((row for row in rows if row[0] is not None), key=lambda row: (row[1], row[2]))
-        waits = [float(row[3]) for row in rows if row[0] is None]
+        due = sorted(
+            (DueRow(row[0], row[1], row[2], row[3], row[4]) for row in rows if row[0] is not None),
+            key=lambda row: (row.deliver_at, row.seq),
+        )
+        waits = [float(row[5]) for row in rows if row[0] is None]
         if len(due) >= self.limit:
             self._next_due = now  # more are due: the next look takes them
         elif waits:
@@ -108,8 +148,20 @@ class ScheduledPromotion:
         # One statement per row, in one transaction sent at once: each takes its new seq in
         # this order (the order of an UPDATE's rows is the plan's, not the query's).
         with session.transaction(), session.cursor() as cursor:
-            cursor.executemany(self._promote_sql, [{"id": row[0]} for row in due])
-            promoted = max(0, cursor.rowcount)
+            ids = "{" + ",".join(row.id.hex for row in due) + "}"
+            # Rows no other transaction holds: those still scheduled may go; those cancelled
+            # meanwhile go nowhere, and hold back nothing.
+            locked = cursor.execute(self._lock_sql, {"ids": ids}).fetchall()
+            free = {found for found, state in locked if state == "scheduled"}
+            gone = {found for found, state in locked if state != "scheduled"}
+            going = promotable([row for row in due if row.id not in gone], free)
+            if going:
+                cursor.executemany(self._promote_sql, [{"id": row.id} for row in going])
+            promoted = max(0, cursor.rowcount) if going else 0
+        if len(going) + len(gone) < len(due):
+            # Skipped: held by a transaction that may roll back. Look again soon.
+            relook = now + LOCKED_RELOOK
+            self._next_due = relook if self._next_due is None else min(self._next_due, relook)
         self.metrics.promoted.inc(promoted)
         return promoted
 
@@ -124,15 +176,15 @@ class ScheduledPromotion:
             bounds.append(self._next_look - now)
         return max(0.0, min(bounds))
 
-    def refresh_gauges(self, engine: sa.Engine, now: float | None = None) -> None:
+    def refresh_gauges(self, session: psycopg.Connection, now: float | None = None) -> None:
         """Count the table's overdue (and, once a minute, all its scheduled) messages into
-        the relay's gauges."""
+        the relay's gauges, on ``session``."""
         now = time.monotonic() if now is None else now
-        with engine.connect() as conn:
-            overdue = conn.execute(self.queries["count_overdue"], {"shard_count": SHARD_COUNT})
-            self.metrics.scheduled_overdue.set(overdue.scalar_one())
-            if now >= self._next_count:
-                self._next_count = now + COUNT_INTERVAL
-                self.metrics.scheduled.set(
-                    conn.execute(self.queries["count_scheduled"]).scalar_one()
-                )
+        dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+        overdue = str(self.queries["count_overdue"].compile(dialect=dialect))
+        row = session.execute(overdue, {"shard_count": SHARD_COUNT}).fetchone()
+        self.metrics.scheduled_overdue.set(row[0] if row else 0)
+        if now >= self._next_count:
+            self._next_count = now + COUNT_INTERVAL
+            counted = session.execute(str(self.queries["count_scheduled"])).fetchone()
+            self.metrics.scheduled.set(counted[0] if counted else 0)

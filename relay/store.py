@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from outbox.relay.observability import RelayMetrics
-from outbox.relay.promotion import ScheduledPromotion
+from outbox.relay.connections import MARK_LOCK_TIMEOUT_MS
+from outbox.relay.reading import shard_window
 from outbox.rows import (
     READ_COLUMNS,
     Failure,
@@ -46,14 +46,6 @@ class HeldRow:
     pid: int | None
 
 
-#: Milliseconds a mark waits for a row lock another transaction holds (an operator's UPDATE, a
-#: long `outbox dead retry`) before it gives up, to try again later: a mark takes
-#: milliseconds and writers lock no pending row, so a wait this long is such a transaction,
-#: and the batch's other shards wait no longer than a couple of seconds for it. (The relay's
-#: marking sessions have it as their lock_timeout; a transaction recording failures sets it.)
-MARK_LOCK_TIMEOUT_MS = 2000
-
-
 #: How many rows leased by immediate senders, and later rows of their keys, a read passes
 #: over in one shard to fill its window with rows that may go (leases are short: a sender
 #: holds at most what it sent in the last few seconds). It bounds the read's walk of a shard
@@ -61,15 +53,9 @@ MARK_LOCK_TIMEOUT_MS = 2000
 HELD_REACH = 10_000
 
 
-def shard_window(batch_size: int, shards: int) -> int:
-    """How many rows of each shard a read looks at when ``shards`` share a batch: twice
-    its share, and at least 100."""
-    return max(100, 2 * batch_size // shards)
-
-
 class RelayStore(OutboxRows):
-    """The outbox table as the relay's :class:`~outbox.relay.source.MessageSource`: named
-    queries of ``outbox/sql/queries.sql`` run for one relay (``name``).
+    """Every statement the relay runs on the outbox table: the named queries of
+    ``outbox/sql/queries.sql``, run for one relay (``name``).
 
     The relay writes nothing to a row before it is sent: the shard's advisory lock makes it the
     only relay reading the shard, and immediate senders lease their rows when they write them.
@@ -85,8 +71,6 @@ class RelayStore(OutboxRows):
         super().__init__(engine.url, spec, owner=None, delete_on_send=delete_on_send)
         self.engine = engine
         self.name = name
-        #: Due scheduled messages are made pending before a read (see outbox.relay.promotion).
-        self.promotion = ScheduledPromotion(spec, RelayMetrics())
         self._compiled: dict[str, str] = {}
         #: The sessions whose read_batch columns were checked against READ_COLUMNS.
         self._checked_readers: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
@@ -270,25 +254,6 @@ class RelayStore(OutboxRows):
         ).fetchone()
         return row is not None and bool(row[0])
 
-    def count_into(self, metrics: RelayMetrics) -> None:
-        """Count the scheduled messages promoted, waiting and overdue into ``metrics``."""
-        self.promotion.metrics = metrics
-
-    def before_read(
-        self, shards: Collection[int], session: psycopg.Connection, owner_key: int | None
-    ) -> None:
-        """Make the due scheduled rows of ``shards`` pending (at most every
-        ``PROMOTE_INTERVAL``), on the reading ``session``."""
-        self.promotion.promote(shards, session, owner_key)
-
-    def sleep_bound(self, timeout: float) -> float:
-        """``timeout``, cut to when the next scheduled row of the shards read is due."""
-        return self.promotion.sleep_bound(timeout)
-
-    def refresh_gauges(self) -> None:
-        """Count the overdue (and, once a minute, all) scheduled rows into the gauges."""
-        self.promotion.refresh_gauges(self.engine)
-
     @property
     def _read_batch_sql(self) -> str:
         return self._psycopg_sql("read_batch")
@@ -320,16 +285,26 @@ class RelayStore(OutboxRows):
             )
         return int(result.rowcount)
 
-    def break_leases(self, shards: Sequence[int]) -> int:
-        """A new owner of ``shards`` frees rows that relays of earlier versions had leased."""
+    def break_leases(
+        self, shards: Sequence[int], connection: psycopg.Connection | None = None
+    ) -> int:
+        """A new owner of ``shards`` frees rows that relays of earlier versions had leased
+        (on ``connection`` when given, waiting at most MARK_LOCK_TIMEOUT_MS for a row lock)."""
+        params = {"shards": list(shards), "owner": self.name}
+        if connection is not None:
+            with connection.transaction():
+                connection.execute(f"SET LOCAL lock_timeout = {MARK_LOCK_TIMEOUT_MS}")
+                cursor = connection.execute(self._psycopg_sql("break_relay_leases"), params)
+                return max(0, cursor.rowcount)
         with self.engine.begin() as conn:
-            result = conn.execute(
-                self.queries["break_relay_leases"], {"shards": list(shards), "owner": self.name}
-            )
+            result = conn.execute(self.queries["break_relay_leases"], params)
         return int(result.rowcount)
 
-    def oldest_pending_age(self) -> float:
+    def oldest_pending_age(self, connection: psycopg.Connection | None = None) -> float:
         """Seconds since the oldest pending row was written (one index probe per shard)."""
+        params = {"shard_count": SHARD_COUNT}
+        if connection is not None:
+            row = connection.execute(self._psycopg_sql("oldest_pending"), params).fetchone()
+            return float(row[0]) if row is not None else 0.0
         with self.engine.connect() as conn:
-            query = self.queries["oldest_pending"]
-            return float(conn.execute(query, {"shard_count": SHARD_COUNT}).scalar_one())
+            return float(conn.execute(self.queries["oldest_pending"], params).scalar_one())

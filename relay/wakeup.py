@@ -25,8 +25,7 @@ table's *wake lock* (an advisory lock, see ``OutboxTableSpec.wake_lock``) says w
   refused the shared hold: it NOTIFYs ``working`` (at most every
   :data:`WORKING_NOTICE_INTERVAL`), the watcher lets the wake lock go, and the busy relay
   takes its shared hold at its next turn. The watcher takes the wake lock only while no
-  relay holds the work lock, so it does not take it back meanwhile. A
-  relay alone (the only member) takes neither lock: nobody else could sleep.
+  relay holds the work lock, so it does not take it back meanwhile.
 * A relay that can serve no commit (it owns no shard, or stepped aside) holds nothing
   (:meth:`WakeUp.away`): were it to watch, every writer would notify while the others work.
 
@@ -77,10 +76,6 @@ class WakeUp:
         self.working = False
         #: This relay is busy and holds the work lock shared.
         self.marked = False
-        #: No other relay was a member at the last rebalance: nobody else could sleep while
-        #: this one works, so a busy spell costs no lock (a relay that joins meanwhile is
-        #: told to stop sleeping at this one's next busy turn after its next rebalance).
-        self.alone = False
         self._settle_tries = 0
         self._noticed_at = float("-inf")
 
@@ -142,10 +137,6 @@ class WakeUp:
         """Work was found: hold the wake lock shared while busy (no relay sleeps, writers do
         not notify), and hand the watch back. Costs nothing once the hold is taken."""
         self._settle_tries = 0
-        if self.alone:
-            if self.watching:
-                self.away()
-            return
         if self.working and self.marked:
             return
         if self.watching:

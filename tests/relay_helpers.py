@@ -10,7 +10,8 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -19,9 +20,38 @@ import sqlalchemy as sa
 
 from outbox import ID_HEADER, Message, Outbox
 from outbox.devstack.procs import free_port
+from outbox.records import OutboxRecord
+from outbox.relay.commands import Batch
 from outbox.relay.config import RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.relay.policy import RetryPolicy
+from outbox.relay.sender import Sender
+from outbox.rows import PendingRow
+from outbox.sending import BatchResult
+
+
+def send_and_wait(sender: Sender, records: Sequence[OutboxRecord]) -> BatchResult:
+    """Send ``records`` on ``sender`` (a batch per shard, as the relay does exactly-once) and
+    serve it until each batch ended: one merged result."""
+    by_shard: dict[int, list[OutboxRecord]] = {}
+    for record in records:
+        by_shard.setdefault(record.shard, []).append(record)
+    batches = []
+    for number, (shard, part) in enumerate(sorted(by_shard.items()), start=1):
+        rows = [PendingRow(r.id, shard, 0, datetime.now(UTC), r) for r in part]
+        batches.append(Batch(number, rows, frozenset({shard}), time.monotonic()))
+    for batch in batches:
+        sender.start(batch)
+    merged = BatchResult()
+    left = len(batches)
+    while left:
+        for _, result in sender.serve(1.0):
+            left -= 1
+            merged.acks.extend(result.acks)
+            merged.errors.update(result.errors)
+            merged.not_attempted.extend(result.not_attempted)
+            merged.lost_shards.extend(result.lost_shards)
+    return merged
 
 
 def relay_config(database_url: str, bootstrap: str, **overrides: Any) -> RelayConfig:
@@ -32,7 +62,6 @@ def relay_config(database_url: str, bootstrap: str, **overrides: Any) -> RelayCo
         "poll_interval": 0.2,
         "rebalance_interval": 0.2,
         "delivery_timeout_ms": 10_000,
-        "lease_seconds": 30,
         "retry": RetryPolicy(max_attempts=5, base_seconds=0.2, cap_seconds=1.0),
     }
     options.update(overrides)
@@ -117,8 +146,6 @@ def start_relay_process(
                 "200",
                 "--delivery-timeout-ms",
                 "10000",
-                "--lease-seconds",
-                "30",
                 *args,
             ],
             env=env,
@@ -195,9 +222,4 @@ def owns_all_and_sleeps(relay: Relay) -> bool:
     """The relay owns every shard and sleeps: a commit or a timer must wake it."""
     from outbox.schema import SHARD_COUNT
 
-    return (
-        relay._ownership is not None
-        and len(relay._ownership.owned) == SHARD_COUNT
-        and relay._wake is not None
-        and relay._wake.asleep
-    )
+    return len(relay.owned_shards) == SHARD_COUNT and relay.asleep

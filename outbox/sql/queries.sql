@@ -558,7 +558,8 @@ SELECT id, topic, key, check_group, status, prepared_at, check_count, check_fail
 
 -- name: due_scheduled
 -- The relay's look at the scheduled rows of its shards: the due ones (up to :limit, with
--- deliver_at and seq: they are made pending in that order), and in a row of their own (id
+-- deliver_at and seq: they are made pending in that order; topic and key: a key stops at its
+-- first row another transaction holds locked), and in a row of their own (id
 -- NULL) the seconds until the next one is due. Two probes of the scheduled index per shard
 -- (its due end, and the first entry past now), whatever lies further ahead. Given
 -- :owner_key, nothing is read once its owner session is gone (see owner_alive).
@@ -567,10 +568,10 @@ WITH held AS MATERIALIZED (
       FROM unnest(CAST(:shards AS smallint[])) AS s (shard)
      WHERE CAST(:owner_key AS integer) IS NULL OR ({owner_alive})),
 due AS (
-    SELECT d.id, d.deliver_at, d.seq
+    SELECT d.id, d.deliver_at, d.seq, d.topic, d.key
       FROM held AS h
      CROSS JOIN LATERAL (
-           SELECT id, deliver_at, seq
+           SELECT id, deliver_at, seq, topic, key
              FROM {table}
             WHERE status = 'scheduled' AND shard = h.shard AND deliver_at <= now()
             ORDER BY deliver_at, seq
@@ -586,11 +587,21 @@ ahead AS (
             WHERE status = 'scheduled' AND shard = h.shard AND deliver_at > now()
             ORDER BY deliver_at
             LIMIT 1) AS n)
-SELECT id, deliver_at, seq, CAST(NULL AS float8) AS wait FROM due
+SELECT id, deliver_at, seq, topic, key, CAST(NULL AS float8) AS wait FROM due
 UNION ALL
-SELECT NULL, NULL, NULL, CAST(extract(epoch FROM deliver_at - now()) AS float8)
+SELECT NULL, NULL, NULL, NULL, NULL, CAST(extract(epoch FROM deliver_at - now()) AS float8)
   FROM ahead
  WHERE deliver_at IS NOT NULL;
+
+-- name: lock_due_scheduled
+-- Of the due rows the promotion is about to make pending (:ids), lock those no other
+-- transaction holds (a cancel in progress, say), waiting for none, with their status (one
+-- cancelled meanwhile is no longer scheduled); the rows held are skipped, and their keys'
+-- later rows with them, until the next look.
+SELECT id, status
+  FROM {table}
+ WHERE id = ANY(CAST(:ids AS uuid[]))
+   FOR UPDATE SKIP LOCKED;
 
 -- name: promote_scheduled
 -- Make one due scheduled row pending (run once per id, in one transaction, in the order

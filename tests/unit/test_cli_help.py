@@ -47,12 +47,6 @@ def test_relay_help_shows_every_environment_variable() -> None:
     assert not missing
 
 
-def test_the_relay_still_accepts_its_old_lease_option_without_showing_it() -> None:
-    assert "--lease-seconds" not in relay_help()  # the relay leases nothing any more
-    result = CliRunner().invoke(main, ["relay", "--lease-seconds", "60", "--help"])
-    assert result.exit_code == 0, result.output
-
-
 def test_relay_help_shows_every_variable_the_relay_docs_name() -> None:
     # OUTBOX_KAFKA_<NAME> passes any client setting through; -X's help explains the pattern.
     documented = set(

@@ -1,0 +1,152 @@
+"""Whether this relay reaches Kafka, judged from what it saw (decides, does no I/O).
+
+*Evidence* that the relay reaches Kafka is an acknowledged message, a take-over that fenced
+a shard's last owner, or (while nothing of it waits for Kafka) a broker answering a probe.
+
+- **An outage is Kafka's, not the messages'.** A batch that fails retriably while Kafka took
+  no batch this relay sent after it charges its messages no attempt (a partition that stalls
+  lets the later batches through; an outage does not): they stay
+  pending, and the relay sends nothing for a pause (0.5 s doubling to
+  :data:`LONGEST_PAUSE`) before it tries again. So no message nears ``dead`` from an
+  outage alone, and once Kafka is back what was pending goes within that pause.
+- **Stalled.** Since the relay has had work that Kafka does not answer (a batch in flight
+  with nothing acknowledged since it began, an outage pause, a failed take-over), it is
+  *stalled*. A relay stalled for :data:`EVIDENCE_SECONDS` does not serve (it lets the other
+  relays know through its serving lock); stalled for :data:`STEP_ASIDE_AFTER` it steps aside
+  if another relay serves, in either mode: its own path to Kafka may be what is broken.
+- **Stepping aside** lasts :data:`STEP_ASIDE_SECONDS`, doubled at each step aside in a row
+  (up to :data:`LONGEST_STEP_ASIDE`); the relay comes back sooner when no other member is
+  left, or none has served for :data:`EVIDENCE_SECONDS`.
+- A relay joins the members, or takes free shards, only with fresh evidence (at most
+  :data:`EVIDENCE_SECONDS` old): one that cannot publish takes nothing from relays that can.
+  An idle relay probes when its evidence is older than that.
+"""
+
+from __future__ import annotations
+
+#: Evidence this old is fresh: the relay may join and take shards without a probe, and it
+#: serves. Older, an idle relay probes; a relay stalled this long stops serving.
+EVIDENCE_SECONDS = 5.0
+#: A relay stalled this long steps aside if another relay serves: long enough that a batch
+#: Kafka is slow to take (a leader moving, a broker restarting) does not move its shards.
+STEP_ASIDE_AFTER = 10.0
+#: Out of the members the first time; doubled at each step aside in a row, up to the
+#: longest: each return costs the healthy relays a hand-over.
+STEP_ASIDE_SECONDS = 10.0
+LONGEST_STEP_ASIDE = 160.0
+#: The pauses after a failure: sending after a batch failed with no evidence (an outage),
+#: connecting after the database was lost. They double from the first to the longest: what
+#: is pending goes at most the longest after Kafka (or the database) returns.
+LONGEST_PAUSE = 5.0
+FIRST_PAUSE = 0.5
+
+
+class KafkaReach:
+    """What one relay knows of its reach to Kafka, on the core's clock."""
+
+    def __init__(self) -> None:
+        self.last_ack = float("-inf")
+        #: When the newest batch Kafka acknowledged (some of) was sent: a batch that fails
+        #: while a later one got through failed for its own reasons.
+        self.newest_acked = float("-inf")
+        self.last_probe = float("-inf")
+        self.probing = False
+        #: Since when a failure with no evidence (an outage, a failed take-over) holds.
+        self.failing_since: float | None = None
+        self._probe_clears = True
+        self._pause = 0.0
+        self.paused_until = float("-inf")
+        self.step_asides = 0
+        self.rejoin_at = 0.0
+        self._nobody_serving_since: float | None = None
+
+    # -- what the relay saw ----------------------------------------------------------------
+
+    def reached(self, now: float, sent: float | None = None) -> None:
+        """Kafka took something of this relay (an ack of a batch ``sent`` then, a take-over
+        that fenced)."""
+        self.last_ack = now
+        if sent is not None:
+            self.newest_acked = max(self.newest_acked, sent)
+        self.failing_since = None
+        self._pause = 0.0
+        self.paused_until = float("-inf")
+        self.step_asides = 0
+
+    def probed(self, reached: bool, now: float, idle: bool) -> None:
+        """A probe's answer; a broker answering an ``idle`` relay (nothing in flight, no
+        pause) ends a failure that a probe may end (a batch's, not a take-over's)."""
+        self.probing = False
+        if reached:
+            self.last_probe = now
+            if idle and self._probe_clears:
+                self.failing_since = None
+
+    def failed(self, now: float, probe_clears: bool) -> None:
+        """A batch or a take-over failed with no evidence since it began: pause sending.
+        A failed take-over is ended only by evidence (``probe_clears`` False): a relay
+        whose take-overs keep failing steps aside, however well its probes go."""
+        if self.failing_since is None:
+            self.failing_since = now
+            self._probe_clears = probe_clears
+        self._probe_clears = self._probe_clears and probe_clears
+        self._pause = min(LONGEST_PAUSE, max(FIRST_PAUSE, 2 * self._pause))
+        self.paused_until = now + self._pause
+
+    def stepped_aside(self, now: float) -> float:
+        """The relay left the members: returns how long it stays out."""
+        pause = min(LONGEST_STEP_ASIDE, STEP_ASIDE_SECONDS * 2.0**self.step_asides)
+        self.step_asides += 1
+        self.rejoin_at = now + pause
+        self._nobody_serving_since = None
+        self.failing_since = None
+        return pause
+
+    # -- what it decides -------------------------------------------------------------------
+
+    def answered_since(self, sent: float) -> bool:
+        """Whether Kafka took a batch sent after ``sent`` (a failure of that one is its own)."""
+        return self.newest_acked > sent
+
+    def may_send(self, now: float) -> bool:
+        return now >= self.paused_until
+
+    def fresh(self, now: float, waiting_since: float | None) -> bool:
+        """Fresh evidence: an ack lately, or a probe lately while nothing waited for Kafka."""
+        probe = self.last_probe if waiting_since is None else float("-inf")
+        return now - max(self.last_ack, probe) <= EVIDENCE_SECONDS
+
+    def stalled_since(self, waiting_since: float | None) -> float | None:
+        """Since when work of this relay has gone unanswered: ``waiting_since`` (its oldest
+        batch in flight) unless an ack came since, or a failure with no evidence."""
+        unanswered = None
+        if waiting_since is not None and waiting_since > self.last_ack:
+            unanswered = waiting_since
+        started = [t for t in (unanswered, self.failing_since) if t is not None]
+        return min(started, default=None)
+
+    def serving(self, now: float, waiting_since: float | None) -> bool:
+        """Whether this relay tells the others that it reaches Kafka."""
+        stalled = self.stalled_since(waiting_since)
+        if stalled is not None and now - stalled >= EVIDENCE_SECONDS:
+            return False
+        return now - max(self.last_ack, self.last_probe) <= 2 * EVIDENCE_SECONDS
+
+    def should_step_aside(self, now: float, waiting_since: float | None) -> bool:
+        stalled = self.stalled_since(waiting_since)
+        return stalled is not None and now - stalled >= STEP_ASIDE_AFTER
+
+    def should_probe(self, now: float, waiting_since: float | None) -> bool:
+        return not self.probing and not self.fresh(now, waiting_since) and waiting_since is None
+
+    def may_rejoin(self, now: float, other_members: int, others_serving: int) -> bool:
+        """A relay that stepped aside comes back when its pause ends, or sooner when its
+        share has nobody to send it: no member left, or none serving for a while."""
+        if now >= self.rejoin_at or other_members == 0:
+            return True
+        if others_serving > 0:
+            self._nobody_serving_since = None
+            return False
+        if self._nobody_serving_since is None:
+            self._nobody_serving_since = now
+        return now - self._nobody_serving_since >= EVIDENCE_SECONDS
