@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psycopg
@@ -285,14 +286,15 @@ def _drop_slots(conn: psycopg.Connection[tuple[object, ...]], database: str) -> 
     for slot, pid in conn.execute(slots, (database,)).fetchall():
         if pid is not None:
             conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            released = "SELECT active_pid IS NULL FROM pg_replication_slots WHERE slot_name = %s"
-            wait_until(
-                lambda slot=slot: bool((conn.execute(released, (slot,)).fetchone() or (True,))[0]),
-                30,
-                f"replication slot {slot} to be released",
-            )
+            wait_until(partial(_released, conn, str(slot)), 30, f"slot {slot} to be let go")
         conn.execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
             " WHERE slot_name = %s",
             (slot,),
         )
+
+
+def _released(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> bool:
+    query = "SELECT active_pid IS NULL FROM pg_replication_slots WHERE slot_name = %s"
+    row = conn.execute(query, (slot,)).fetchone()
+    return row is None or bool(row[0])

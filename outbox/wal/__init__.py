@@ -1,0 +1,1 @@
+"""The WAL source: reading the outbox from PostgreSQL's logical decoding."""
