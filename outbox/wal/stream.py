@@ -23,6 +23,7 @@ import struct
 import time
 
 from psycopg import pq
+from psycopg.conninfo import make_conninfo
 
 from outbox.wal.errors import WalError
 from outbox.wal.lsn import format_lsn
@@ -47,10 +48,12 @@ class StreamError(WalError):
 
 
 class ReplicationStream:
-    """A replication connection (``replication=database``) to one database."""
+    """A replication connection (``replication=database``) to one database; ``conninfo``
+    as libpq takes it (``key=value`` pairs or a ``postgresql://`` URL)."""
 
     def __init__(self, conninfo: str) -> None:
-        self._conn = pq.PGconn.connect(f"{conninfo} replication=database".encode())
+        params = make_conninfo(conninfo, replication="database")
+        self._conn = pq.PGconn.connect(params.encode())
         if self._conn.status != pq.ConnStatus.OK:
             text = _text(self._conn.error_message)
             self._conn.finish()
