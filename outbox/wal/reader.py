@@ -132,6 +132,13 @@ class WalReader:
         """Check the server, make the publication and (on a first start) the slot, check the
         slot still covers the recorded position, and start streaming. Returns the position
         the stream starts from. Raises the one-line errors of :mod:`outbox.wal.errors`."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> int:
         self._control = control = psycopg.connect(self._conninfo, autocommit=True)
         check_server(control, self.slot)
         ensure_publication(control, self.spec)
