@@ -3,6 +3,8 @@ them (a stopped relay) the slot holds all of it, and says how much."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import sqlalchemy as sa
 
@@ -71,3 +73,26 @@ def test_a_stopped_reader_holds_the_wal_and_says_how_much(
     assert state.held_bytes >= before + written
     assert state.wal_status in ("reserved", "extended")
     assert state.safe_bytes is None  # no max_slot_wal_keep_size: nothing caps it
+
+
+def test_outbox_status_shows_the_slot_and_what_it_holds(outbox_url: str, engine: sa.Engine) -> None:
+    from outbox.queries import Queries
+    from outbox.schema import DEFAULT_SPEC
+    from outbox.status import read_status
+    from outbox.status_report import to_json, to_text
+
+    assert read_status(engine, Queries(DEFAULT_SPEC)).wal_slot is None  # table mode: no line
+    with WalReader(outbox_url, heartbeat=None):
+        pass  # made the slot, then stopped
+    written = write_busy_table(engine)
+
+    status = read_status(engine, Queries(DEFAULT_SPEC))
+
+    assert status.wal_slot is not None and status.wal_slot.held_bytes is not None
+    assert status.wal_slot.held_bytes >= written
+    written_held = status.wal_slot.held_bytes
+    line = next(line for line in to_text(status) if line.startswith("WAL slot"))
+    assert line.startswith("WAL slot outbox_public_outbox: not read, holds ")
+    assert line.endswith("MB of WAL (reserved; no max_slot_wal_keep_size)")
+    reported = json.loads(to_json(status))["wal_slot"]
+    assert (reported["name"], reported["held_bytes"]) == ("outbox_public_outbox", written_held)
