@@ -19,8 +19,12 @@ b. Decoding, bytes in and messages out, on its own: ``--messages`` transactions 
                      (each chunk confirmed with pg_replication_slot_advance)
      emit/stream     pgoutput over the replication protocol, psycopg 3's libpq binding
      emit/psycopg2   pgoutput over psycopg2's LogicalReplicationConnection
-     row/sql, row/stream, row/psycopg2   the same for outbox rows (a publication on the
-                     outbox table: its insert, ten columns, binary values)
+     row/sql, row/stream, row/psycopg2   the same for outbox rows, through the WAL
+                     source's own publication (outbox.wal.slots: the table's inserts of
+                     pending rows, ten columns, binary values)
+     row/reader      row/stream through the WAL source's reader (outbox.wal.WalReader:
+                     its bookkeeping, commit confirmed after each read)
+     row/stream-nofilter   row/stream through a publication without the row filter on status
      row/wal2json-sql, row/wal2json-stream   wal2json (format 2) of the rows, parsed with
                      orjson (wal2json sends every column of the table, as text)
 
@@ -52,20 +56,25 @@ from typing import Any
 
 import orjson
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from bench.stack import machine
 from bench.write_pgbench import pgbench_path
 from outbox import migrate
 from outbox.devstack.postgres import PostgresServer
 from outbox.devstack.procs import free_port
+from outbox.schema import DEFAULT_SPEC
 from outbox.wal.lsn import format_lsn
 from outbox.wal.pgoutput import (
     PUBLISHED_COLUMNS,
     Begin,
+    Commit,
     LogicalMessage,
     PgOutputDecoder,
     WalMessage,
 )
+from outbox.wal.reader import WalReader
+from outbox.wal.slots import ensure_publication, slot_name
 from outbox.wal.stream import XLOG_DATA, XLOG_HEADER, ReplicationStream
 
 WRITE_SHAPES = ("base", "emit", "row", "both")
@@ -75,7 +84,9 @@ DECODERS = (
     "emit/psycopg2",
     "row/sql",
     "row/stream",
+    "row/reader",
     "row/psycopg2",
+    "row/stream-nofilter",
     "row/wal2json-sql",
     "row/wal2json-stream",
 )
@@ -220,8 +231,9 @@ def _current_lsn(conn: psycopg.Connection[Any]) -> int:
 def prepare_decoding(server: PostgresServer, database: str, messages: int, repeats: int) -> None:
     """Slots for every decoder and repeat, then ``messages`` transactions of each shape."""
     with psycopg.connect(server.conninfo(database), autocommit=True) as conn:
+        ensure_publication(conn, DEFAULT_SPEC)
         conn.execute(
-            "CREATE PUBLICATION probe_rows FOR TABLE public.outbox"
+            "CREATE PUBLICATION probe_nofilter FOR TABLE public.outbox"
             f" ({', '.join(PUBLISHED_COLUMNS)}) WITH (publish = 'insert')"
         )
         conn.execute("CREATE PUBLICATION probe_none")  # no table: logical messages only
@@ -275,8 +287,8 @@ def _slot(decoder: str, repeat: int) -> str:
     return "probe_" + re.sub(r"[^a-z0-9]", "_", decoder) + f"_{repeat}"
 
 
-def _pgoutput_options(shape: str) -> dict[str, str]:
-    publication = "probe_none" if shape == "emit" else "probe_rows"
+def _pgoutput_options(shape: str, publication: str | None = None) -> dict[str, str]:
+    publication = publication or ("probe_none" if shape == "emit" else slot_name(DEFAULT_SPEC))
     options = {"proto_version": "1", "publication_names": publication, "binary": "true"}
     if shape == "emit":
         options["messages"] = "true"
@@ -377,13 +389,15 @@ def run_sql(conninfo: str, slot: str, shape: str, count: Count, chunk: int) -> i
         return _backend_cpu(pid)
 
 
-def run_stream(conninfo: str, slot: str, shape: str, count: Count) -> int:
+def run_stream(
+    conninfo: str, slot: str, shape: str, count: Count, publication: str | None = None
+) -> int:
     consumer = Consumer(shape, count)
     stream = ReplicationStream(conninfo)
     pid = stream.backend_pid
     unpack = struct.Struct(">Q").unpack_from
     try:
-        stream.start(slot, 0, _pgoutput_options(shape))
+        stream.start(slot, 0, _pgoutput_options(shape, publication))
         feed = consumer.feed
         while not count.done:
             for item in stream.read(10_000, 5.0):
@@ -393,6 +407,34 @@ def run_stream(conninfo: str, slot: str, shape: str, count: Count) -> int:
         return _backend_cpu(pid)
     finally:
         stream.close()
+
+
+def run_reader(conninfo: str, slot: str, count: Count) -> int:
+    """The WAL source's reader, as a relay drives it (confirming each read's last commit)."""
+    reader = WalReader(_url_of(conninfo), slot=slot, heartbeat=None)
+    reader.start()
+    try:
+        assert reader._stream is not None
+        pid = reader._stream.backend_pid
+        while not count.done:
+            items = reader.read(10_000, 5.0)
+            for item in items:
+                if isinstance(item, WalMessage):
+                    count.messages += 1
+                elif isinstance(item, Commit):
+                    count.last_end = item.end_lsn
+            reader.confirm(count.last_end)
+        return _backend_cpu(pid)
+    finally:
+        reader.close()
+
+
+def _url_of(conninfo: str) -> str:
+    params = conninfo_to_dict(conninfo)
+    return (
+        f"postgresql+psycopg://{params['user']}:{params['password']}@{params['host']}:"
+        f"{params['port']}/{params['dbname']}"
+    )
 
 
 def run_psycopg2(conninfo: str, slot: str, shape: str, count: Count) -> int:
@@ -523,6 +565,10 @@ def _run_decoder(way: str, conninfo: str, slot: str, shape: str, count: Count, c
         return run_stream(conninfo, slot, shape, count)
     if way == "psycopg2":
         return run_psycopg2(conninfo, slot, shape, count)
+    if way == "reader":
+        return run_reader(conninfo, slot, count)
+    if way == "stream-nofilter":
+        return run_stream(conninfo, slot, shape, count, "probe_nofilter")
     if way == "wal2json-sql":
         return run_wal2json_sql(conninfo, slot, count, chunk)
     return run_wal2json_stream(conninfo, slot, count)

@@ -81,7 +81,8 @@ class WalMessage:
     commit_lsn: int
 
 
-@dataclass(frozen=True, slots=True)
+# Begin and Commit: not frozen either (one of each per transaction).
+@dataclass(slots=True)
 class Begin:
     """A transaction's start; ``commit_lsn`` is where its commit record is."""
 
@@ -91,7 +92,7 @@ class Begin:
     xid: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Commit:
     """A transaction's end: confirming ``end_lsn`` tells the slot it is done with."""
 
@@ -212,7 +213,7 @@ class PgOutputDecoder:
         # created_at: timestamptz, never NULL
         (micros,) = _INT64.unpack_from(data, pos + 5)
         return WalMessage(
-            uuid.UUID(bytes=id_bytes),
+            uuid_of(id_bytes),
             seq,
             shard,
             topic,
@@ -259,6 +260,22 @@ class PgOutputDecoder:
         (size,) = _UINT32.unpack_from(data, pos)
         content = bytes(data[pos + 4 : pos + 4 + size])
         return LogicalMessage(prefix, content, lsn, bool(flags & 1))
+
+
+_new = object.__new__
+_set = object.__setattr__
+_from_bytes = int.from_bytes
+_UUID = uuid.UUID
+_UNKNOWN = uuid.SafeUUID.unknown
+
+
+def uuid_of(raw: bytes) -> uuid.UUID:
+    """``uuid.UUID(bytes=raw)`` for 16 bytes at half its cost (it was a third of a row's
+    decoding): what its ``__init__`` ends with, without the checks of its other forms."""
+    value = _new(_UUID)
+    _set(value, "int", _from_bytes(raw))
+    _set(value, "is_safe", _UNKNOWN)
+    return value
 
 
 def _string(data: bytes, pos: int) -> tuple[str, int]:

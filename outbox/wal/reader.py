@@ -97,6 +97,7 @@ class WalReader:
     the ``REPLICATION`` attribute. ``position``: the last position the caller recorded
     (None on its very first start: the slot is then made, or taken as it stands).
     ``heartbeat``: seconds between heartbeats (None: none, for tests of their absence).
+    ``slot``: the slot's name, when not the one named after the table.
     """
 
     def __init__(
@@ -107,9 +108,10 @@ class WalReader:
         position: int | None = None,
         heartbeat: float | None = HEARTBEAT_SECONDS,
         application_name: str = "outbox-wal-reader",
+        slot: str | None = None,
     ) -> None:
         self.spec = spec
-        self.slot = slot_name(spec)
+        self.slot = slot or slot_name(spec)
         self._conninfo = libpq_conninfo(url, application_name)
         self._recorded = position
         self._heartbeat = heartbeat

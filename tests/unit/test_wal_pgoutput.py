@@ -17,6 +17,7 @@ from outbox.wal.pgoutput import (
     LogicalMessage,
     PgOutputDecoder,
     WalMessage,
+    uuid_of,
 )
 
 RELATION = 16_401
@@ -167,3 +168,21 @@ def test_lsn_halves() -> None:
     assert parse_lsn("16/B374D848") == (0x16 << 32) | 0xB374D848
     with pytest.raises(ValueError, match="not an LSN"):
         parse_lsn("12345")
+
+
+def test_uuid_of_makes_the_same_uuid_as_the_standard_way() -> None:
+    import copy
+    import pickle
+
+    for _ in range(100):
+        expected = uuid.uuid4()
+        made = uuid_of(expected.bytes)
+        assert made == expected and hash(made) == hash(expected)
+        assert (str(made), made.bytes, made.version) == (
+            str(expected),
+            expected.bytes,
+            expected.version,
+        )
+        assert pickle.loads(pickle.dumps(made)) == expected == copy.copy(made)
+        with pytest.raises(TypeError, match="immutable"):
+            made.int = 0  # type: ignore[misc]
