@@ -126,6 +126,7 @@ class PgOutputDecoder:
         #: (heartbeats) are taken in silently.
         self.message_prefixes = message_prefixes
         self._outbox_relation: int | None = None
+        self._other_relations: dict[int, str] = {}
         self._commit_lsn = 0
         self._xid = 0
 
@@ -155,9 +156,11 @@ class PgOutputDecoder:
             _INSERT_HEAD.unpack_from(data, offset + 1)
         )
         if relation != self._outbox_relation or columns != len(PUBLISHED_COLUMNS):
+            name = self._other_relations.get(relation, f"relation {relation}")
             raise UnexpectedStream(
-                f"an insert into relation {relation} with {columns} columns: the publication "
-                f"should carry the outbox table's {len(PUBLISHED_COLUMNS)} columns only"
+                f"an insert into {name} with {columns} columns: the publication should carry "
+                f"the inserts of {self.table[0]}.{self.table[1]} only, "
+                f"{len(PUBLISHED_COLUMNS)} columns"
             )
         if id_len != 16 or seq_len != 8 or shard_len != 2:
             raise UnexpectedStream("the publication does not send binary values (binary 'true')")
@@ -241,10 +244,11 @@ class PgOutputDecoder:
             columns.append(column)
             pos += 8  # type oid, type modifier
         if (schema, name) != self.table:
-            raise UnexpectedStream(
-                f"the slot sends changes of {schema}.{name}: its publication should hold "
-                f"{self.table[0]}.{self.table[1]} only"
-            )
+            # A partition of a partitioned outbox table is announced beside the table (whose
+            # id its inserts carry, publish_via_partition_root); an insert into any other
+            # relation is refused in _insert.
+            self._other_relations[relation] = f"{schema}.{name}"
+            return
         if tuple(columns) != PUBLISHED_COLUMNS:
             raise UnexpectedStream(
                 f"the publication carries columns {', '.join(columns)} of "

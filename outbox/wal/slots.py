@@ -2,8 +2,11 @@
 
 One publication and one slot per outbox table, both named after it
 (``outbox_<schema>_<table>``). The publication carries the table's inserts of pending
-messages only, and only the columns a relay sends (:data:`PUBLISHED_COLUMNS`): the outbox
-rows stay the durable record, the slot is the fast way to learn of them.
+messages only (prepared and scheduled rows become pending by an update, which it does not
+carry: those stay the table's), and only the columns a relay sends
+(:data:`PUBLISHED_COLUMNS`); a partitioned outbox table's rows come as the table's own
+(``publish_via_partition_root``). The outbox rows stay the durable record, the slot is the
+fast way to learn of them.
 """
 
 from __future__ import annotations
@@ -45,16 +48,17 @@ def ensure_publication(conn: Connection, spec: OutboxTableSpec) -> None:
     decoder reads (:class:`PublicationMismatch` otherwise)."""
     name = slot_name(spec)
     found = conn.execute(
-        "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication"
+        "SELECT pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot FROM pg_publication"
         " WHERE pubname = %s",
         (name,),
     ).fetchone()
     if found is None:
         _create_publication(conn, spec, name)
         return
-    if tuple(found) != (True, False, False, False):
+    if tuple(found) != (True, False, False, False, True):
         raise PublicationMismatch(
-            f"publication {name} publishes more than inserts: "
+            f"publication {name} publishes more than inserts, or a partitioned table's rows "
+            "as its partitions' (publish_via_partition_root off): "
             f"DROP PUBLICATION {name} and let the reader make it again"
         )
     tables = conn.execute(
@@ -74,7 +78,8 @@ def ensure_publication(conn: Connection, spec: OutboxTableSpec) -> None:
 def _create_publication(conn: Connection, spec: OutboxTableSpec, name: str) -> None:
     columns = sql.SQL(", ").join(sql.Identifier(c) for c in PUBLISHED_COLUMNS)
     statement = sql.SQL(
-        "CREATE PUBLICATION {} FOR TABLE {}.{} ({}) WHERE (status = {}) WITH (publish = 'insert')"
+        "CREATE PUBLICATION {} FOR TABLE {}.{} ({}) WHERE (status = {})"
+        " WITH (publish = 'insert', publish_via_partition_root = true)"
     ).format(
         sql.Identifier(name),
         sql.Identifier(spec.schema),

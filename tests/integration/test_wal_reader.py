@@ -130,3 +130,49 @@ def test_an_idle_reader_hands_out_heartbeats(outbox_url: str, engine: sa.Engine)
         reader.confirm(beat.lsn)
         reader.flush()
         wait_for(lambda: confirmed_on_server(outbox_url, SLOT) == beat.lsn, what="the beat")
+
+
+def test_a_large_transaction_comes_in_parts(outbox_url: str, engine: sa.Engine) -> None:
+    """A transaction of many messages is handed out as it streams, a read at a time: the
+    reader never holds it whole."""
+    count = 20_000
+    with WalReader(outbox_url, heartbeat=None) as reader:
+        publish(engine, *(Message("orders", n, key=str(n % 7)) for n in range(count)))
+        reads: list[list[Item]] = []
+        ended = False
+        while not ended:
+            assert len(reads) < 1_000, "the transaction never ended"
+            reads.append(reader.read(5_000, 1.0))
+            ended = any(isinstance(i, Commit) for i in reads[-1])
+    items = [item for part in reads for item in part]
+    assert len([r for r in reads if messages(r)]) >= count // 5_000
+    assert [type(i) for i in items] == [Begin] + [WalMessage] * count + [Commit]
+    assert len({m.commit_lsn for m in messages(items)}) == 1
+    lsns = [m.lsn for m in messages(items)]
+    assert lsns == sorted(lsns)
+
+
+def test_a_partitioned_table_streams_as_the_table(database_url: str) -> None:
+    from outbox import migrate
+
+    migrate.upgrade(database_url, partitioned="daily")
+    engine = sa.create_engine(database_url)
+    try:
+        with WalReader(database_url, heartbeat=None) as reader:
+            ids = publish(engine, Message("orders", 1), Message("orders", 2))
+            items = read_until(reader, lambda got: len(commits(got)) == 1)
+    finally:
+        engine.dispose()
+    assert [m.id for m in messages(items)] == ids
+
+
+def test_a_publication_changed_by_hand_is_refused(outbox_url: str) -> None:
+    from outbox.wal.errors import PublicationMismatch
+    from tests.wal_helpers import control
+
+    with WalReader(outbox_url, heartbeat=None):
+        pass
+    with control(outbox_url) as conn:
+        conn.execute(f"ALTER PUBLICATION {SLOT} SET (publish = 'insert, update')")
+    with pytest.raises(PublicationMismatch, match=f"DROP PUBLICATION {SLOT}"):
+        WalReader(outbox_url).start()
