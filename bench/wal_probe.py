@@ -23,7 +23,11 @@ b. Decoding, bytes in and messages out, on its own: ``--messages`` transactions 
                      source's own publication (outbox.wal.slots: the table's inserts of
                      pending rows, ten columns, binary values)
      row/reader      row/stream through the WAL source's reader (outbox.wal.WalReader:
-                     its bookkeeping, commit confirmed after each read)
+                     its bookkeeping, commit confirmed after each read); unlike the bare
+                     streams, which drop each transaction's messages at its commit, it keeps
+                     a read's items, as a relay keeps a batch until Kafka answered
+     row/reader-nogc row/reader with Python's cyclic garbage collector off while reading
+                     (what a relay could win by freezing or tuning it)
      row/stream-nofilter   row/stream through a publication without the row filter on status
      row/wal2json-sql, row/wal2json-stream   wal2json (format 2) of the rows, parsed with
                      orjson (wal2json sends every column of the table, as text)
@@ -39,6 +43,7 @@ Run: make bench-wal-probe   (or python -m bench.wal_probe --messages 200000)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -85,6 +90,7 @@ DECODERS = (
     "row/sql",
     "row/stream",
     "row/reader",
+    "row/reader-nogc",
     "row/psycopg2",
     "row/stream-nofilter",
     "row/wal2json-sql",
@@ -567,6 +573,12 @@ def _run_decoder(way: str, conninfo: str, slot: str, shape: str, count: Count, c
         return run_psycopg2(conninfo, slot, shape, count)
     if way == "reader":
         return run_reader(conninfo, slot, count)
+    if way == "reader-nogc":
+        gc.disable()
+        try:
+            return run_reader(conninfo, slot, count)
+        finally:
+            gc.enable()
     if way == "stream-nofilter":
         return run_stream(conninfo, slot, shape, count, "probe_nofilter")
     if way == "wal2json-sql":

@@ -1,7 +1,7 @@
 """What the server must allow before a WAL reader starts: each refusal one line, at start.
 
-Checked in the order an operator fixes them: the WAL level (a restart), the role's right to
-replicate, then room for the slot and for its stream.
+Checked in the order an operator fixes them: the server's version, the WAL level (a
+restart), the role's right to replicate, then room for the slot and for its stream.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from outbox.wal.errors import (
     NoFreeSlot,
     NoFreeWalSender,
     ReplicationNotPermitted,
+    ServerTooOld,
     SlotInUse,
     WalLevelNotLogical,
 )
@@ -18,9 +19,34 @@ from outbox.wal.slots import Connection, slot_state
 
 def check_server(conn: Connection, slot: str) -> None:
     """Raise the first reason ``slot`` cannot be read over ``conn``'s server and role."""
+    check_version(conn)
     check_wal_level(conn)
     check_replication_role(conn)
     check_slot_room(conn, slot)
+
+
+#: PostgreSQL 15: publications with column lists and row filters.
+MIN_SERVER_VERSION = 150000
+
+
+def check_version(conn: Connection) -> None:
+    row = conn.execute(
+        "SELECT current_setting('server_version_num')::int, current_setting('server_version')"
+    ).fetchone()
+    assert row is not None
+    refusal = version_refusal(row[0], row[1])
+    if refusal:
+        raise ServerTooOld(refusal)
+
+
+def version_refusal(version_num: int, version: str) -> str | None:
+    """Why a server of ``version_num`` (``server_version_num``) cannot serve, or None."""
+    if version_num >= MIN_SERVER_VERSION:
+        return None
+    return (
+        f"PostgreSQL {version} is too old for the WAL source: it needs 15 or later "
+        "(publications with column lists and row filters)"
+    )
 
 
 def check_wal_level(conn: Connection) -> None:

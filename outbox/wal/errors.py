@@ -15,6 +15,11 @@ class WalError(OutboxError):
     """Base class of the WAL source's errors."""
 
 
+class ServerTooOld(WalError):
+    """The server is older than PostgreSQL 15, whose publications have the column lists and
+    row filters the outbox's publication is made of."""
+
+
 class WalLevelNotLogical(WalError):
     """The server does not decode its WAL (``wal_level`` is not ``logical``)."""
 
