@@ -55,6 +55,8 @@ _INT64 = struct.Struct(">q")
 _MESSAGE = struct.Struct(">BQ")
 
 _B, _C, _I, _R, _M = (ord(c) for c in "BCIRM")
+#: The tag of an insert, the message a reader sees most: see :meth:`decode_insert`.
+INSERT = _I
 _NULL, _BINARY = ord("n"), ord("b")
 
 
@@ -137,7 +139,7 @@ class PgOutputDecoder:
         (the row's ``lsn`` column, or the XLogData header's start)."""
         tag = data[offset]
         if tag == _I:
-            return self._insert(data, offset, lsn)
+            return self.decode_insert(data, offset, lsn)
         if tag == _B:
             self._commit_lsn, time, self._xid = _BEGIN.unpack_from(data, offset + 1)
             return Begin(self._commit_lsn, (time + _PG_EPOCH_US) / 1e6, self._xid)
@@ -151,7 +153,8 @@ class PgOutputDecoder:
             return self._message(data, offset)
         return None  # Type, Origin: nothing an outbox needs; Update/Delete/Truncate: unpublished
 
-    def _insert(self, data: bytes, offset: int, lsn: int) -> WalMessage:
+    def decode_insert(self, data: bytes, offset: int, lsn: int) -> WalMessage:
+        """:meth:`decode` for a message known to be an insert (tag :data:`INSERT`)."""
         (relation, _n, columns, _k, id_len, id_bytes, _k2, seq_len, seq, _k3, shard_len, shard) = (
             _INSERT_HEAD.unpack_from(data, offset + 1)
         )

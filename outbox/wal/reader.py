@@ -53,7 +53,7 @@ from outbox.schema import DEFAULT_SPEC, OutboxTableSpec
 from outbox.wal.checks import check_server
 from outbox.wal.errors import SlotLost, WalError
 from outbox.wal.lsn import format_lsn
-from outbox.wal.pgoutput import Begin, Commit, PgOutputDecoder, WalMessage
+from outbox.wal.pgoutput import INSERT, Begin, Commit, PgOutputDecoder, WalMessage
 from outbox.wal.slots import (
     PLUGIN,
     SlotState,
@@ -174,21 +174,22 @@ class WalReader:
         except StreamError as error:
             raise self._explain(error) from error
         items: list[Item] = []
+        append = items.append
         decode = self._decoder.decode
+        insert = self._decoder.decode_insert
         for message in raw:
             if message[0] == XLOG_DATA:
-                item = decode(message, XLOG_HEADER, _XLOG_START(message, 1)[0])
-                if item is None:
+                if message[XLOG_HEADER] == INSERT:  # the hot path: one call, no dispatch
+                    append(insert(message, XLOG_HEADER, _XLOG_START(message, 1)[0]))
                     continue
-                if type(item) is WalMessage:
-                    items.append(item)
-                elif type(item) is Commit:
+                item = decode(message, XLOG_HEADER, _XLOG_START(message, 1)[0])
+                if type(item) is Commit:
                     self._in_transaction = False
                     self._handed_out = item.end_lsn
-                    items.append(item)
+                    append(item)
                 elif type(item) is Begin:
                     self._in_transaction = True
-                    items.append(item)
+                    append(item)
             else:
                 end, reply = keepalive_end(message)
                 if self._asked_at and not self._in_transaction and end > self._handed_out:
