@@ -166,7 +166,9 @@ class WalReader:
     def read(self, max_items: int = 10_000, timeout: float = 1.0) -> list[Item]:
         """The next items in commit order (up to ``max_items`` raw messages' worth); waits up
         to ``timeout`` seconds when there is nothing yet. Also sends the confirmed position
-        and the heartbeat when they are due."""
+        and the heartbeat when they are due, and answers the server's keepalives: call it at
+        least every ``wal_sender_timeout`` / 2 (30 s by default), or the server ends the
+        stream."""
         stream = self._require_stream()
         self._send_confirmed()
         try:
