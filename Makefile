@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 .PHONY: help setup demo test lint typecheck pytest up down status clean bench-write bench-relay \
-	bench-reconcile bench-table-health bench-consume chaos
+	bench-reconcile bench-table-health bench-consume bench-wal-probe chaos
 
 help:
 	@echo "make demo   run the outbox end to end on a local PostgreSQL + Kafka + Spark"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench-reconcile   reconciliation benchmark (BENCH_ARGS='--sizes 100000,300000')"
 	@echo "make bench-table-health   plain and partitioned outbox tables under steady load with retention running (BENCH_ARGS='--messages 300000')"
 	@echo "make bench-consume   inbox consumer benchmark (BENCH_ARGS='--n 20000' for a quick run)"
+	@echo "make bench-wal-probe   WAL-mode probes: write shapes and decoders (BENCH_ARGS='--messages 50000')"
 	@echo "make chaos   a bounded fault run audited by the reconciliation (CHAOS_ARGS='--mode exactly-once')"
 
 $(INSTALLED): pyproject.toml
@@ -67,6 +68,9 @@ bench-table-health: setup
 
 bench-consume: setup
 	$(BIN)/python -m bench.consume $(BENCH_ARGS)
+
+bench-wal-probe: setup
+	$(BIN)/python -m bench.wal_probe $(BENCH_ARGS)
 
 # The sdist, and the wheel built from it, as a release is (PEP 517, isolated). The sdist also
 # carries examples/, docs/ and CHANGELOG.md (MANIFEST.in).

@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psycopg
@@ -25,6 +26,11 @@ from outbox.devstack.procs import (
 )
 
 SUPERUSER = "postgres"
+
+#: The local stack decodes its WAL (the relay's WAL source reads the outbox through a logical
+#: replication slot), so every cluster it starts runs with ``wal_level = logical``; a test of
+#: the refusal of another level starts one with ``wal_level="replica"``.
+DEFAULT_WAL_LEVEL = "logical"
 
 
 def server_bindir() -> Path:
@@ -116,6 +122,9 @@ class PostgresServer:
     port: int
     password: str
     durable: bool = True
+    #: Given at each start (not written into postgresql.conf), so that a cluster made before
+    #: the setting existed runs with it too.
+    wal_level: str = DEFAULT_WAL_LEVEL
 
     @property
     def data_dir(self) -> Path:
@@ -151,7 +160,10 @@ class PostgresServer:
         if self.running():
             return
         self._clear_stale_lock()
-        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories=''"
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            f"-c wal_level={self.wal_level}"
+        )
         result = run_as_postgres(
             [
                 str(bindir / "pg_ctl"),
@@ -209,7 +221,10 @@ class PostgresServer:
         return self.url(name)
 
     def drop_database(self, name: str) -> None:
+        """Drop ``name``, with its logical replication slots (they would refuse the drop), and
+        the connections still open to it."""
         with psycopg.connect(self.conninfo(), autocommit=True) as conn:
+            _drop_slots(conn, name)
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
@@ -262,3 +277,24 @@ class PostgresServer:
             # still holds the writes), unsafe only when the machine itself crashes.
             lines += ["fsync = off", "full_page_writes = off"]
         return "\n" + "\n".join(lines) + "\n"
+
+
+def _drop_slots(conn: psycopg.Connection[tuple[object, ...]], database: str) -> None:
+    """Drop the replication slots of ``database``; a slot in use is let go first (its reader's
+    session is ended, and its slot is free once that session has exited)."""
+    slots = "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s"
+    for slot, pid in conn.execute(slots, (database,)).fetchall():
+        if pid is not None:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            wait_until(partial(_released, conn, str(slot)), 30, f"slot {slot} to be let go")
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+            " WHERE slot_name = %s",
+            (slot,),
+        )
+
+
+def _released(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> bool:
+    query = "SELECT active_pid IS NULL FROM pg_replication_slots WHERE slot_name = %s"
+    row = conn.execute(query, (slot,)).fetchone()
+    return row is None or bool(row[0])

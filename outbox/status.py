@@ -26,6 +26,7 @@ from outbox.schema import (
     SHARD_COUNT,
     STATUSES,
 )
+from outbox.wal.slots import SlotState, slot_name, slot_state
 
 #: Statuses counted through a partial index, always exactly.
 INDEXED = (PENDING, PREPARED, SCHEDULED)
@@ -109,6 +110,9 @@ class OutboxStatus:
     #: The inbox's parked table, when it exists in this database; None otherwise.
     inbox_table: str | None = None
     parked: list[ParkedCount] = field(default_factory=list)
+    #: The WAL source's replication slot, when there is one: who reads it and the WAL it
+    #: holds back (see :mod:`outbox.wal`); None for a table read only by the table relay.
+    wal_slot: SlotState | None = None
 
     @property
     def overdue(self) -> int:
@@ -181,6 +185,9 @@ def read_status(
                 )
         relays = _relays(conn, queries)
         inbox_table, parked = _parked(conn, inbox) if inbox else (None, [])
+        driver = conn.connection.driver_connection  # psycopg's, in the same transaction
+        assert driver is not None
+        wal_slot = slot_state(driver, slot_name(spec))
     owned = {shard for relay in relays for shard in relay.shards}
     return OutboxStatus(
         table=spec.qualified_name,
@@ -193,6 +200,7 @@ def read_status(
         prepared_groups=sorted(groups.values(), key=lambda g: g.check_group),
         inbox_table=inbox_table,
         parked=parked,
+        wal_slot=wal_slot,
     )
 
 

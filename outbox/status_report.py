@@ -9,6 +9,7 @@ import orjson
 
 from outbox.schema import PENDING, PREPARED, SCHEDULED
 from outbox.status import OutboxStatus
+from outbox.wal.slots import SlotState
 
 
 def to_json(status: OutboxStatus) -> str:
@@ -67,6 +68,31 @@ def _due_in(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     return "overdue" if seconds < 0 else age(seconds)
+
+
+def wal_slot_line(slot: SlotState) -> str:
+    """Who reads the WAL source's slot, and what it holds back."""
+    reader = f"read by pid {slot.active_pid}" if slot.active_pid else "not read"
+    if slot.wal_status == "lost":
+        return f"WAL slot {slot.name}: {reader}, LOST (invalidated: its WAL was removed)"
+    limit = (
+        "no max_slot_wal_keep_size"
+        if slot.safe_bytes is None
+        else f"{_size(slot.safe_bytes)} more before max_slot_wal_keep_size invalidates it"
+    )
+    return (
+        f"WAL slot {slot.name}: {reader}, holds {_size(slot.held_bytes)} of WAL "
+        f"({slot.wal_status}; {limit})"
+    )
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "?"
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if abs(value) >= scale:
+            return f"{value / scale:,.1f} {unit}"
+    return f"{value} B"
 
 
 def _count(value: int | None) -> str:
@@ -144,6 +170,9 @@ def to_text(status: OutboxStatus) -> list[str]:
         lines += _table(["RELAY", "PID", "FROM", "SINCE (UTC)", "STATE", "SHARDS"], relay_rows)
     unowned = shard_ranges(status.unowned_shards)
     lines.append(f"unowned shards: {unowned} (of {status.shard_count})")
+
+    if status.wal_slot is not None:
+        lines += ["", wal_slot_line(status.wal_slot)]
 
     if status.prepared_groups:
         lines += ["", "prepared messages waiting for a verdict:"]

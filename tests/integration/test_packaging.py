@@ -40,7 +40,7 @@ import importlib.metadata as md
 import importlib.util
 files = md.distribution("outbox-kafka").files or []
 top = sorted({f.parts[0] for f in files if f.parts[0] != ".."})
-import outbox.relay.daemon, outbox.spark_jobs.cli, outbox.migrations
+import outbox.relay.daemon, outbox.spark_jobs.cli, outbox.migrations, outbox.wal.reader
 tooling = {m: importlib.util.find_spec(m) is not None for m in ("outbox.devstack", "outbox.chaos")}
 print(json.dumps({"loaded_by_import": loaded_by_import, "public": public, "sender": sender,
                   "top": top, "tooling": tooling}))

@@ -50,3 +50,35 @@ def test_each_test_gets_its_own_database(database_url: str, postgres_server) -> 
         assert database_url.endswith("/" + name)
     finally:
         engine.dispose()
+
+
+def test_wal_is_decoded_and_a_database_with_slots_in_use_still_drops(  # type: ignore[no-untyped-def]
+    postgres_server,
+) -> None:
+    import uuid
+
+    import psycopg
+
+    from outbox.wal.stream import ReplicationStream
+
+    name = f"slots_{uuid.uuid4().hex[:8]}"
+    postgres_server.create_database(name)
+    with psycopg.connect(postgres_server.conninfo(name), autocommit=True) as conn:
+        assert conn.execute("SHOW wal_level").fetchone() == ("logical",)
+        conn.execute("CREATE PUBLICATION nothing")
+        for slot in ("idle_slot", "busy_slot"):
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    stream = ReplicationStream(postgres_server.conninfo(name))
+    try:
+        stream.start("busy_slot", 0, {"proto_version": "1", "publication_names": "nothing"})
+        postgres_server.drop_database(name)  # PostgreSQL alone refuses: slots belong to it
+    finally:
+        stream.close()
+    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
+        )
+        assert left.fetchall() == []
+        assert (
+            conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None
+        )
