@@ -98,6 +98,11 @@ LAZY_COMMANDS = {
         "scheduled",
         "List scheduled messages; cancel those not yet due.",
     ),
+    "dashboard": LazyCommand(
+        "outbox.dashboard.cli",
+        "dashboard",
+        "Serve a web page for operators: messages pending, dead, parked or prepared.",
+    ),
     "partitions": LazyCommand(
         "outbox.partitions_cli",
         "partitions",
