@@ -8,6 +8,7 @@ to the page (a reload repeats nothing).
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -77,13 +78,14 @@ class Dashboard:
         reads: Reads,
         guard: Guard,
         *,
-        refresh: float = 10.0,
+        refresh: float = 10,
         loopback_only: bool = True,
         sources: Iterable[str] = (),
     ) -> None:
         self.reads = reads
         self.guard = guard
-        self.refresh = refresh
+        # Whole seconds: a meta refresh of 0 would reload the page without end.
+        self.refresh = math.ceil(refresh) if refresh > 0 else 0
         self.loopback_only = loopback_only
         self.sources = [mask_secrets(source) for source in sources]
         self.templates = _environment()

@@ -226,3 +226,14 @@ def test_text_of_values() -> None:
     handler = "ValueError: bad\nTraceback (most recent call last):\n  File x\n    raise\n"
     assert summary(handler) == "ValueError: bad"
     assert summary("Broker: Message size too large") == "Broker: Message size too large"
+
+
+@pytest.mark.parametrize(("given", "shown"), [(10.0, 10), (0.5, 1), (0, 0)])
+def test_the_refresh_is_whole_seconds_and_never_zero_unless_off(given: float, shown: int) -> None:
+    app = Dashboard(None, Guard(None), refresh=given)  # type: ignore[arg-type]
+    _, _, page = call(app, "GET", "/nowhere")
+    assert (f'<meta http-equiv="refresh" content="{shown}">' in page) is (shown > 0)
+    assert "http-equiv" in page or shown == 0
+    # The login page never reloads (a half-typed token would go).
+    _, _, login = call(app, "GET", "/login")
+    assert "http-equiv" not in login
