@@ -196,11 +196,16 @@ def _message_id(text: str | None) -> uuid.UUID:
 @route("GET", "/")
 def overview(app: Dashboard, request: Request) -> Response:
     found = app.reads.overview()
+    statuses = [
+        f"{name} {'?' if c.count is None else ('~' if c.estimate else '') + f'{c.count:,}'}"
+        for name, c in found.status.statuses.items()
+    ]
     return app.render(
         request,
         "overview.html",
         title="Overview",
         o=found,
+        statuses=statuses,
         scan_interval=app.reads.scan_interval,
     )
 

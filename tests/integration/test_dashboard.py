@@ -134,6 +134,8 @@ def test_dead_messages_of_a_missing_topic_are_grouped_and_a_retry_sends_them_onc
     missing = f"later-{uuid.uuid4().hex[:8]}"
     with Outbox(engine).transaction() as tx:
         ids = [tx.publish(missing, {"n": n}, key=f"k{n}").message_id for n in range(3)]
+    # A prepared message waiting for its verdict, beside them.
+    PreparedMessages(Outbox(engine), group="payments", check_after=3600).prepare("orders", {})
 
     def dead() -> int:
         return int(scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'dead'"))
@@ -143,7 +145,7 @@ def test_dead_messages_of_a_missing_topic_are_grouped_and_a_retry_sends_them_onc
         serving(outbox_url, refresh=1) as base,
     ):
         browser.get(base + "/")
-        assert browser.find_element(By.ID, "login").text == "Log in to act"
+        until(browser, lambda d: d.find_element(By.ID, "login").text == "Log in to act", "login")
         wait_for(lambda: dead() == 3, 30, "the relay to mark the missing topic's messages dead")
         # The overview refreshes itself (no reload from here) until paused.
         until(browser, lambda d: '<a href="/dead">3</a>' in d.page_source, "3 dead on the page")
@@ -152,6 +154,8 @@ def test_dead_messages_of_a_missing_topic_are_grouped_and_a_retry_sends_them_onc
         assert browser.find_elements(By.CSS_SELECTOR, "meta[http-equiv='refresh']") == []
         row = browser.find_element(By.XPATH, f"//table[@id='topics']//td[text()='{missing}']/..")
         assert row.find_elements(By.TAG_NAME, "td")[5].text == "3"  # DEAD
+        groups = browser.find_elements(By.CSS_SELECTOR, "#prepared-groups tbody td")
+        assert [td.text for td in groups][:2] == ["payments", "1"]
         relays = browser.find_elements(By.CSS_SELECTOR, "#relays tbody tr")
         assert (
             len(relays) == 1
