@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if dashboard is not None:
             dashboard.send_signal(signal.SIGTERM)
             dashboard.wait(30)
+            if dashboard.stdout is not None:
+                dashboard.stdout.close()
         if not args.keep:
             stack.down()
             print("servers stopped")

@@ -116,9 +116,12 @@ def until(driver: Any, check: Callable[[Any], Any], what: str, timeout: float = 
 
 
 def note(driver: Any) -> str:
+    """The note of the page an action led back to (a click on a form's button returns
+    before the browser has the next page)."""
     from selenium.webdriver.common.by import By
 
-    return str(driver.find_element(By.CSS_SELECTOR, "p.note").text)
+    found = until(driver, lambda d: d.find_element(By.CSS_SELECTOR, "p.note"), "the note")
+    return str(found.text)
 
 
 def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
@@ -186,6 +189,10 @@ def test_dead_messages_of_a_missing_topic_are_grouped_and_a_retry_sends_them_onc
         wait_for(sent, 60, "the retried messages to be sent")
         browser.get(base + "/dead")
         assert browser.find_element(By.ID, "no-dead").text == "No dead messages."
+        browser.get(base + "/?refresh=off")
+        row = browser.find_element(By.XPATH, f"//table[@id='topics']//td[text()='{missing}']/..")
+        cells = [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+        assert (cells[4], cells[5]) == ("3", "0")  # SENT LAST HOUR, DEAD
         browser.get(f"{base}/message?id={ids[1]}")
         assert browser.find_element(By.ID, "status").text == "sent"
         offset = scalar(engine, "SELECT kafka_offset FROM outbox WHERE id = :i", i=ids[1])
@@ -428,25 +435,21 @@ def test_the_command_serves_on_loopback_prints_its_address_and_stops_on_sigterm(
     )
     assert refused.exit_code == 1 and "pass --allow-remote" in refused.output
     env = {**os.environ, "OUTBOX_DATABASE_URL": outbox_url, "OUTBOX_DASHBOARD_TOKEN": TOKEN}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "outbox.cli", "dashboard", "--port", "0"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline().strip()
-        found = re.fullmatch(r"outbox dashboard on (http://127\.0\.0\.1:\d+/) \((.+)\)", line)
-        assert found is not None, line
-        assert found.group(2) == "actions need the token"
-        page = httpx.get(found.group(1), timeout=30)
-        assert page.status_code == 200 and "<h1>Overview</h1>" in page.text
-        assert TOKEN not in page.text
-        password = str(sa.make_url(outbox_url).password)
-        assert password not in page.text and "***" in page.text
-    finally:
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(30)
+    command = [sys.executable, "-m", "outbox.cli", "dashboard", "--port", "0"]
+    with subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().strip()
+            pattern = r"outbox dashboard on (http://127\.0\.0\.1:\d+/) \((.+)\)"
+            found = re.fullmatch(pattern, line)
+            assert found is not None, line
+            assert found.group(2) == "actions need the token"
+            page = httpx.get(found.group(1), timeout=30)
+            assert page.status_code == 200 and "<h1>Overview</h1>" in page.text
+            assert TOKEN not in page.text
+            password = str(sa.make_url(outbox_url).password)
+            assert password not in page.text and "***" in page.text
+        finally:
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(30)
     assert code == 0
