@@ -18,7 +18,8 @@ def dev() -> None:
 
 @dev.command()
 def prepare() -> None:
-    """Install PostgreSQL if missing and resolve the Kafka and Spark jars (idempotent)."""
+    """Install PostgreSQL and Chromium if missing, resolve the Kafka and Spark jars
+    (idempotent)."""
     from outbox.devstack import prepare as prepare_stack
 
     _run_stack_step(prepare_stack)

@@ -7,7 +7,6 @@ import hashlib
 import os
 import shutil
 import stat
-import subprocess
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,6 +16,7 @@ from psycopg import sql
 
 from outbox.devstack.procs import (
     StackError,
+    apt_install,
     pid_alive,
     postgres_user_ids,
     run_as_postgres,
@@ -40,7 +40,7 @@ def server_bindir() -> Path:
         return Path(override)
     found = _find_bindir()
     if found is None:
-        _apt_install("postgresql")
+        apt_install("postgresql")
         found = _find_bindir()
     if found is None:
         raise StackError("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin")
@@ -53,31 +53,6 @@ def _find_bindir() -> Path | None:
         key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
     )
     return candidates[-1] if candidates else None
-
-
-def _apt_install(*packages: str) -> None:
-    if not running_as_root():
-        raise StackError(f"missing {', '.join(packages)}: install with apt-get as root")
-    # policy-rc.d = 101 keeps the package's own cluster from being started by the install.
-    policy = Path("/usr/sbin/policy-rc.d")
-    added_policy = not policy.exists()
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        if added_policy:
-            policy.write_text("#!/bin/sh\nexit 101\n")
-            policy.chmod(0o755)
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
-            check=True,
-            env=env,
-            capture_output=True,
-        )
-    except subprocess.CalledProcessError as exc:
-        raise StackError(f"apt-get install {' '.join(packages)} failed: {exc.stderr!r}") from exc
-    finally:
-        if added_policy:
-            policy.unlink(missing_ok=True)
 
 
 def _processes_in(folder: Path) -> list[int]:

@@ -131,3 +131,30 @@ def run_as_postgres(argv: Sequence[str], **kwargs: object) -> subprocess.Complet
     if running_as_root():
         command = ["runuser", "-u", "postgres", "--", *command]
     return subprocess.run(command, check=False, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+
+def apt_install(*packages: str) -> None:
+    """Install Debian packages (as root; without root, say what to install)."""
+    if not running_as_root():
+        raise StackError(f"missing {', '.join(packages)}: install with apt-get as root")
+    # policy-rc.d = 101 keeps a package's own service (PostgreSQL's cluster) from being started
+    # by the install.
+    policy = Path("/usr/sbin/policy-rc.d")
+    added_policy = not policy.exists()
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        if added_policy:
+            policy.write_text("#!/bin/sh\nexit 101\n")
+            policy.chmod(0o755)
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        raise StackError(f"apt-get install {' '.join(packages)} failed: {exc.stderr!r}") from exc
+    finally:
+        if added_policy:
+            policy.unlink(missing_ok=True)

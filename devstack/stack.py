@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outbox.devstack.browser import chromium
 from outbox.devstack.cluster import KafkaCluster
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.maven import resolve_jars
@@ -52,6 +53,7 @@ def spark_jars() -> list[Path]:
 def prepare() -> None:
     """Install or resolve everything the servers need; safe to run again."""
     server_bindir()
+    chromium()  # the dashboard's browser tests
     kafka_jars()
     spark_jars()
 

@@ -1,7 +1,9 @@
 """End-to-end demo on the local stack (what `make demo` runs).
 
 1. Starts a private PostgreSQL and an Apache Kafka broker (KRaft) on 127.0.0.1.
-2. Creates the outbox table with the Alembic migrations, a business table and a topic.
+2. Creates the outbox table with the Alembic migrations, a business table and a topic, and
+   starts `outbox dashboard` (read-only) on a free loopback port: its address is printed,
+   open it to watch the messages go while the demo runs.
 3. Runs business transactions that insert an order and publish an `OrderPlaced` message in
    the same transaction; every tenth one fails on purpose and rolls back.
 4. Runs the relay (`outbox relay`, at-least-once) until every committed message is sent,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,17 +73,52 @@ def main(argv: list[str] | None = None) -> int:
     info = stack.up(database="demo")
     print(f"  database   {sa.make_url(info.database_url).render_as_string(hide_password=True)}")
     print(f"  kafka      {info.bootstrap_servers}   ({time.monotonic() - started:.1f}s)")
+    dashboard: subprocess.Popen[str] | None = None
     try:
         stack.postgres.drop_database("billing")
         billing_url = stack.postgres.create_database("billing")
+        migrate.upgrade(info.database_url)
+        dashboard, address = start_dashboard(info.database_url, billing_url, info.bootstrap_servers)
+        print(f"  dashboard  {address}   (read-only, while the demo runs)")
         output = stack_home() / f"{args.stack}-reconciliation"
         code = run(info.database_url, info.bootstrap_servers, args.orders, output)
         matches = consume(info.database_url, billing_url, info.bootstrap_servers)
         return code or (0 if matches else 1)
     finally:
+        if dashboard is not None:
+            dashboard.send_signal(signal.SIGTERM)
+            dashboard.wait(30)
+            if dashboard.stdout is not None:
+                dashboard.stdout.close()
         if not args.keep:
             stack.down()
             print("servers stopped")
+
+
+def start_dashboard(
+    database_url: str, billing_url: str, bootstrap_servers: str
+) -> tuple[subprocess.Popen[str], str]:
+    """`outbox dashboard` on a free loopback port, read-only (no token), showing the shop's
+    outbox and billing's inbox; returns the process and the address it printed."""
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_INBOX_DATABASE_URL": billing_url,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+        "OUTBOX_DASHBOARD_REFRESH": "2",
+        "OUTBOX_DASHBOARD_SCAN_INTERVAL": "2",
+        "OUTBOX_LOG_LEVEL": "WARNING",
+    }
+    env.pop("OUTBOX_DASHBOARD_TOKEN", None)
+    command = [sys.executable, "-m", "outbox.cli", "dashboard", "--port", "0"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    found = re.search(r"http://\S+", line)
+    if found is None:
+        process.kill()
+        raise RuntimeError(f"the dashboard did not start: {line!r}")
+    return process, found.group(0)
 
 
 def run_relay(database_url: str, bootstrap_servers: str, engine: sa.Engine, expect: int) -> float:

@@ -26,7 +26,7 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import click
 
@@ -40,6 +40,9 @@ from outbox.cli_options import (
     table_spec,
 )
 from outbox.errors import OutboxError
+
+if TYPE_CHECKING:
+    from outbox.operator import DeadAction
 
 
 class LazyCommand(NamedTuple):
@@ -94,6 +97,11 @@ LAZY_COMMANDS = {
         "outbox.scheduled.cli",
         "scheduled",
         "List scheduled messages; cancel those not yet due.",
+    ),
+    "dashboard": LazyCommand(
+        "outbox.dashboard.cli",
+        "dashboard",
+        "Serve a web page for operators: messages pending, dead, parked or prepared.",
     ),
     "partitions": LazyCommand(
         "outbox.partitions_cli",
@@ -419,8 +427,10 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
     """Show one message, every column."""
 
     def run(engine: Any, queries: Any) -> None:
+        from outbox.operator import find_message
+
         with engine.connect() as conn:
-            row = conn.execute(queries["show_message"], {"id": message_id}).mappings().first()
+            row = find_message(conn, queries, message_id)  # type: ignore[arg-type]
         if row is None:
             raise OutboxError(f"no message {message_id}")
         for name, value in row.items():
@@ -432,7 +442,7 @@ def dead_show(database_url: str, schema: str, table: str, message_id: object) ->
         run_db_step(lambda: run(engine, queries))
 
 
-def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
+def _dead_bulk(action: DeadAction, verb: str):  # type: ignore[no-untyped-def]
     @message_selection("Only this topic's dead messages.", "Every dead message.")
     @click.option(
         "--reason",
@@ -455,22 +465,11 @@ def _dead_bulk(query: str, verb: str):  # type: ignore[no-untyped-def]
             raise click.UsageError("--reason picks the messages: give no ids and no --all")
 
         def run(engine: Any, queries: Any) -> int:
-            from outbox.wake import wake_relays
+            from outbox.operator import act_on_dead
 
             with engine.begin() as conn:
-                ids = list(message_ids) or None
-                if reason is not None:
-                    from outbox.failed_rows import dead_rows
-                    from outbox.fingerprints import ids_of_reason
-
-                    ids = ids_of_reason(dead_rows(conn, queries, topic), reason)
-                    if not ids:
-                        return 0
-                params = {"ids": ids, "topic": topic}
-                count = int(conn.execute(queries[query], params).rowcount)
-                if count and query == "retry_dead":
-                    wake_relays(conn, queries)  # pending again: a sleeping relay sends them now
-                return count
+                ids: list[Any] = list(message_ids)  # click.UUID made them UUIDs
+                return act_on_dead(conn, queries, action, ids=ids, topic=topic, reason=reason)
 
         with _dead_store(database_url, schema, table) as (engine, queries):
             count = run_db_step(lambda: run(engine, queries))

@@ -60,6 +60,23 @@ TABLE = click.option(
     help="Name of the outbox table",
 )
 
+INBOX_SCHEMA = click.option(
+    "--inbox-schema",
+    envvar="OUTBOX_INBOX_SCHEMA",
+    show_envvar=True,
+    default="public",
+    show_default=True,
+    help="Schema of the inbox tables",
+)
+INBOX_TABLE = click.option(
+    "--inbox-table",
+    envvar="OUTBOX_INBOX_TABLE",
+    show_envvar=True,
+    default="inbox",
+    show_default=True,
+    help="Name of the inbox table (parked messages: <name>_parked)",
+)
+
 
 def database_outage_limit_option(env_prefix: str) -> Callable[[F], F]:
     """``--database-outage-limit`` (``<env_prefix>_DATABASE_OUTAGE_LIMIT``) of the daemons that

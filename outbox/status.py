@@ -184,7 +184,7 @@ def read_status(
                     estimates.get(status, 0 if estimates else None), True
                 )
         relays = _relays(conn, queries)
-        inbox_table, parked = _parked(conn, inbox) if inbox else (None, [])
+        inbox_table, parked = read_parked(conn, inbox) if inbox else (None, [])
         driver = conn.connection.driver_connection  # psycopg's, in the same transaction
         assert driver is not None
         wal_slot = slot_state(driver, slot_name(spec))
@@ -251,8 +251,12 @@ def _relays(conn: sa.Connection, queries: Queries) -> list[RelayStatus]:
     return list(relays.values())
 
 
-def _parked(conn: sa.Connection, inbox: tuple[str, str]) -> tuple[str | None, list[ParkedCount]]:
-    """Parked inbox rows per group, topic and status, if the inbox tables exist here."""
+def read_parked(
+    conn: sa.Connection, inbox: tuple[str, str]
+) -> tuple[str | None, list[ParkedCount]]:
+    """Parked inbox rows per group, topic and status, if the inbox tables (``inbox``: their
+    schema and table) exist in ``conn``'s database: the parked table's name and the counts,
+    else None and none."""
     from outbox.inbox.schema import InboxTableSpec
 
     spec = InboxTableSpec(schema=inbox[0], table=inbox[1])

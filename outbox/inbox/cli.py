@@ -7,12 +7,14 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from outbox.cli_options import (
     DATABASE_URL,
+    INBOX_SCHEMA,
+    INBOX_TABLE,
     bootstrap_servers_option,
     check_database_at_start,
     daemon_options,
@@ -32,24 +34,10 @@ from outbox.inbox.dead_letter_cli import (
 )
 from outbox.redaction import mask_secrets
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from outbox.inbox.parked import ParkedAction
 
-INBOX_SCHEMA = click.option(
-    "--inbox-schema",
-    envvar="OUTBOX_INBOX_SCHEMA",
-    show_envvar=True,
-    default="public",
-    show_default=True,
-    help="Schema of the inbox tables",
-)
-INBOX_TABLE = click.option(
-    "--inbox-table",
-    envvar="OUTBOX_INBOX_TABLE",
-    show_envvar=True,
-    default="inbox",
-    show_default=True,
-    help="Name of the inbox table (parked messages: <name>_parked)",
-)
+T = TypeVar("T")
 
 
 def _spec(schema: str, table: str) -> Any:
@@ -400,7 +388,7 @@ def parked_show(database_url: str, inbox_schema: str, inbox_table: str, parked_i
         run_db_step(lambda: run(engine, store))
 
 
-def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
+def _parked_bulk(action: ParkedAction, verb: str) -> Callable[..., None]:
     @DATABASE_URL
     @INBOX_SCHEMA
     @INBOX_TABLE
@@ -442,16 +430,18 @@ def _parked_bulk(method: str, verb: str) -> Callable[..., None]:
             raise click.UsageError("--reason picks the messages: give no ids and no --all")
 
         def run(engine: Any, store: Any) -> int:
-            with engine.begin() as conn:
-                ids: list[int] | None = list(parked_ids) or None
-                if reason is not None:
-                    from outbox.failed_rows import parked_rows
-                    from outbox.fingerprints import ids_of_reason
+            from outbox.inbox.parked import act_on_parked
 
-                    ids = ids_of_reason(parked_rows(conn, store.spec, group, topic), reason)
-                    if not ids:
-                        return 0
-                return int(getattr(store, method)(conn, ids, group, topic))
+            with engine.begin() as conn:
+                return act_on_parked(
+                    conn,
+                    store,
+                    action,
+                    ids=list(parked_ids),
+                    group=group,
+                    topic=topic,
+                    reason=reason,
+                )
 
         with _store(database_url, inbox_schema, inbox_table) as (engine, store):
             count = run_db_step(lambda: run(engine, store))

@@ -149,6 +149,49 @@ class InboxStore:
     def show_parked(self, conn: Any, parked_id: int) -> Any:
         return conn.execute(sa.select(self.parked).where(self.parked.c.id == parked_id)).first()
 
+    def parked_by_ids(self, conn: Any, ids: Sequence[int]) -> list[Any]:
+        """The parked rows of ``ids``, whole, in id order."""
+        p = self.parked
+        statement = sa.select(p).where(p.c.id.in_(list(ids))).order_by(p.c.id)
+        return list(conn.execute(statement).all()) if ids else []
+
+    def parked_of_message(self, conn: Any, message_id: str) -> list[Any]:
+        """Every parked row of the message ``message_id``, of any group (the parked table
+        is small: a scan)."""
+        p = self.parked
+        statement = sa.select(p).where(p.c.message_id == message_id).order_by(p.c.id)
+        return list(conn.execute(statement).all())
+
+    def groups(self, conn: Any) -> list[str]:
+        """The consumer groups that applied or parked a message here. The inbox table is
+        walked one group at a time through its primary key (consumer_group, message_id):
+        one index probe per group, however many messages each applied."""
+        inbox = f'"{self.spec.schema}"."{self.spec.table}"'
+        parked = f'"{self.spec.schema}"."{self.spec.parked_name}"'
+        statement = sa.text(
+            "WITH RECURSIVE g(name) AS ("
+            f" (SELECT consumer_group FROM {inbox} ORDER BY consumer_group LIMIT 1)"
+            " UNION ALL"
+            f" SELECT (SELECT i.consumer_group FROM {inbox} AS i"
+            " WHERE i.consumer_group > g.name ORDER BY i.consumer_group LIMIT 1)"
+            " FROM g WHERE g.name IS NOT NULL)"
+            " SELECT name FROM g WHERE name IS NOT NULL"
+            f" UNION SELECT DISTINCT consumer_group FROM {parked}"
+            " ORDER BY 1"
+        )
+        return [str(name) for name in conn.execute(statement).scalars()]
+
+    def applied(self, conn: Any, message_id: str, groups: Sequence[str]) -> list[Any]:
+        """Where each of ``groups`` applied the message ``message_id`` (its inbox rows: the
+        topic, partition and offset it was read at, when), through the primary key."""
+        i = self.inbox
+        statement = (
+            sa.select(i)
+            .where(i.c.consumer_group.in_(list(groups)), i.c.message_id == message_id)
+            .order_by(i.c.consumer_group)
+        )
+        return list(conn.execute(statement).all()) if groups else []
+
     def requeue(
         self, conn: Any, ids: Iterable[int] | None, group: str | None, topic: str | None
     ) -> int:

@@ -240,20 +240,21 @@ def _decide(commit: bool) -> Callable[..., None]:
             raise click.UsageError("name message ids, or pass --topic, --group or --all")
         if after_rollback and (topic or group or everything or not message_ids):
             raise click.UsageError("--after-rollback takes message ids only")
-        from outbox.prepared.store import OPERATOR
+        from outbox.prepared.decisions import decide
 
         store = _store(schema, table)
 
         def run(engine: Any) -> int:
             with engine.begin() as conn:
-                if after_rollback:
-                    return int(store.commit(conn, message_ids, OPERATOR, after_rollback=True))
-                rows = store.unresolved(
-                    conn, ids=list(message_ids) or None, topic=topic, check_group=group
+                return decide(
+                    conn,
+                    store,
+                    commit=commit,
+                    ids=list(message_ids),
+                    topic=topic,
+                    check_group=group,
+                    after_rollback=after_rollback,
                 )
-                chosen = [row["id"] for row in rows]
-                decide = store.commit if commit else store.rollback
-                return int(decide(conn, chosen, OPERATOR))
 
         with database_engine(database_url) as engine:
             count = run_db_step(lambda: run(engine))

@@ -738,6 +738,23 @@ SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr,
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
  ORDER BY a.backend_start, l.pid;
 
+-- name: sent_recently
+-- Messages sent since :since per topic, among those whose id is :since_id or later (the
+-- dashboard's "sent in the last hour"): a range of the primary key, as UUIDv7 ids are
+-- time-ordered, not a scan of every sent row. A message published before :since_id's time
+-- and sent since (one that waited in a backlog, a prepared or scheduled one) is not counted.
+SELECT topic, count(*) AS sent
+  FROM {table}
+ WHERE id >= CAST(:since_id AS uuid) AND status = 'sent' AND sent_at >= :since
+ GROUP BY topic;
+
+-- name: dead_details
+-- What the dashboard shows of each dead message it lists (the ids of one cause's first
+-- rows), through the primary key.
+SELECT id, topic, key, attempts, error_kind, last_error, created_at
+  FROM {table}
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'dead';
+
 -- name: topics_in_use
 -- The topics `outbox topics check` must find: those of rows still to be sent (pending, through
 -- the pending index; prepared and scheduled, through theirs) and of the latest :recent rows

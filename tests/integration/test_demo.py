@@ -52,4 +52,5 @@ def test_the_demo_relays_reconciles_and_bills_every_committed_order() -> None:
     assert f"first run              applied {committed}, skipped 0 duplicates" in report
     assert f"topic read again       applied 0, skipped {committed} duplicates" in report
     assert "ledger matches orders  yes" in report
+    assert re.search(r"^  dashboard  http://127\.0\.0\.1:\d+/ ", report, re.MULTILINE), report
     assert "servers stopped" in report and not left_behind

@@ -144,6 +144,21 @@ def test_the_migrations_ship(installed: Path) -> None:
     assert "CREATE TABLE public.outbox" in result.stdout
 
 
+def test_the_dashboard_ships_and_names_the_extra_it_needs(installed: Path, built: Built) -> None:
+    with zipfile.ZipFile(built.wheel) as wheel:
+        names = set(wheel.namelist())
+    assert {
+        "outbox/dashboard/templates/overview.html",
+        "outbox/dashboard/static/dashboard.css",
+    } <= (names)
+    assert run(installed, "outbox", "dashboard", "--help").returncode == 0
+    # Installed without the extra: one line that says which one.
+    url = "postgresql+psycopg://user@127.0.0.1:1/db"
+    result = run(installed, "outbox", "dashboard", "--database-url", url)
+    assert result.returncode == 1
+    assert "pip install 'outbox-kafka[dashboard]'" in result.stderr
+
+
 def test_the_build_warns_of_nothing(built: Built) -> None:
     # PYTHONDONTWRITEBYTECODE (set on some machines) makes setuptools say it skips
     # byte-compiling: that is the environment's, not the package's.
