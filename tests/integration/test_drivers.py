@@ -428,6 +428,9 @@ def test_published_messages_see_what_a_service_of_any_driver_committed(
         watcher.close()
 
 
+@pytest.mark.parametrize(
+    "driver", [d for d in DRIVERS if d.name in ("psycopg2", "asyncpg")], ids=lambda d: d.name
+)  # psycopg 3's: tests/integration/test_testing_helpers.py
 def test_an_inbox_is_fed_on_a_database_of_any_driver(driver: Driver, postgres_server) -> None:  # type: ignore[no-untyped-def]
     from outbox.inbox import Inbox, InboxMessage
 
