@@ -14,6 +14,10 @@ As a pytest plugin (``pytest_plugins = ["outbox.testing"]`` in a ``conftest.py``
 fixtures ``outbox_database_url`` (a throwaway database on the server that
 ``OUTBOX_TEST_DATABASE_URL`` names; override the fixture to use your own), ``published`` and
 ``feed_inbox``. docs/testing.md shows them in use.
+
+PYTEST_DONT_REWRITE: its checks raise their AssertionErrors themselves, so pytest has
+nothing to rewrite here, and a ``conftest.py`` that imports this module before naming it
+in ``pytest_plugins`` gets no PytestAssertRewriteWarning.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Django's default connection, watching from the test's start. Under pytest-django
 published in that transaction; under ``transactional_db``, what it committed. A test that
 asks for neither gets ``db``. The tables come from the test database's migrations (the
 ``outbox.django`` app's among them). docs/django.md shows it in use.
+
+PYTEST_DONT_REWRITE: nothing here asserts (see :mod:`outbox.testing`).
 """
 
 from __future__ import annotations

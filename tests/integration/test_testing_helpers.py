@@ -217,3 +217,25 @@ def test_the_feeder_runs_coroutine_handlers_with_an_async_session(url: str) -> N
     assert feeder.feed("orders", {"order_id": "a-1"}).applied
     feeder.close()
     assert seen == [("a-1", True)]
+
+
+@pytest.mark.parametrize("plugin", ["outbox.testing", "outbox.django.testing"])
+def test_a_conftest_that_imports_the_helpers_before_the_plugin_gets_no_warning(
+    plugin: str, tmp_path: Path
+) -> None:
+    """As a service's conftest.py often reads: the helpers imported at the top, the plugin
+    named below. pytest could not rewrite the module any more, and would warn about it."""
+    (tmp_path / "conftest.py").write_text(
+        f"from {plugin} import *  # noqa: F403\n\npytest_plugins = [{plugin!r}]\n"
+    )
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "examples.django_service.settings"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-W", "error::pytest.PytestAssertRewriteWarning", str(tmp_path)],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "PytestAssertRewriteWarning" not in result.stdout + result.stderr
+    assert "1 passed" in result.stdout
