@@ -361,6 +361,27 @@ def throwaway_database(
         admin.dispose()
 
 
+def test_server_url() -> str:
+    """The PostgreSQL server ``OUTBOX_TEST_DATABASE_URL`` names, for a fixture of the
+    service's own that makes a database there (see docs/testing.md); without it, a
+    ``pytest.UsageError`` (a ``RuntimeError`` outside pytest) says to set it."""
+    server = os.environ.get(TEST_DATABASE_URL_ENV)
+    if server:
+        return server
+    problem = (
+        f"set {TEST_DATABASE_URL_ENV} to a PostgreSQL server the tests may create databases "
+        "on, or override the outbox_database_url fixture"
+    )
+    try:
+        import pytest
+    except ImportError:
+        raise RuntimeError(problem) from None
+    raise pytest.UsageError(problem)
+
+
+test_server_url.__test__ = False  # type: ignore[attr-defined]  # not a test, for pytest
+
+
 # -- the pytest plugin -------------------------------------------------------------------------
 
 try:
@@ -373,13 +394,7 @@ else:
     def outbox_database_url() -> Iterator[str]:
         """A throwaway database with the outbox and inbox tables, on the server that
         ``OUTBOX_TEST_DATABASE_URL`` names. Override this fixture to use a database of yours."""
-        server = os.environ.get(TEST_DATABASE_URL_ENV)
-        if not server:
-            raise pytest.UsageError(
-                f"set {TEST_DATABASE_URL_ENV} to a PostgreSQL server the tests may create "
-                "databases on, or override the outbox_database_url fixture"
-            )
-        with throwaway_database(server, inbox=True) as url:
+        with throwaway_database(test_server_url(), inbox=True) as url:
             yield url
 
     @pytest.fixture
