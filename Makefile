@@ -73,11 +73,15 @@ bench-wal-probe: setup
 	$(BIN)/python -m bench.wal_probe $(BENCH_ARGS)
 
 # The sdist, and the wheel built from it, as a release is (PEP 517, isolated). The sdist also
-# carries examples/, docs/ and CHANGELOG.md (MANIFEST.in).
+# carries examples/, docs/ and CHANGELOG.md (MANIFEST.in). Needs only Python: `build` goes
+# into a virtualenv of its own (.venv-build), not the development set-up.
 DIST_DIR ?= dist
+BUILD_VENV := .venv-build
 .PHONY: dist
-dist: $(INSTALLED)
-	$(BIN)/python -m build --outdir $(DIST_DIR) .
+dist:
+	@test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
+	@$(BUILD_VENV)/bin/python -m pip install -q --disable-pip-version-check "build>=1.2"
+	$(BUILD_VENV)/bin/python -m build --outdir $(DIST_DIR) .
 
 chaos: setup
 	$(BIN)/outbox chaos $(CHAOS_ARGS)

@@ -51,6 +51,28 @@ def driver_error(error: BaseException) -> BaseException:
     return getattr(error, "orig", None) or error
 
 
+def sqlstate_of(error: BaseException) -> str | None:
+    """The SQLSTATE of a (SQLAlchemy or driver) error, whichever PostgreSQL driver raised it:
+    psycopg 3 and SQLAlchemy's asyncpg adapter name it ``sqlstate``, psycopg2 ``pgcode``."""
+    orig = driver_error(error)
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return str(code) if code else None
+
+
+def constraint_of(error: BaseException) -> str | None:
+    """The constraint (or unique index) an integrity error names, whichever driver raised it:
+    psycopg 3 and psycopg2 give it in ``diag``, asyncpg on its own exception, which
+    SQLAlchemy's adapter keeps as its cause."""
+    orig = driver_error(error)
+    name = getattr(getattr(orig, "diag", None), "constraint_name", None)
+    if name is None:
+        for inner in (getattr(orig, "orig", None), orig.__cause__):
+            name = getattr(inner, "constraint_name", None)
+            if name is not None:
+                break
+    return str(name) if name else None
+
+
 def database_not_ready(error: BaseException) -> bool:
     """Whether ``error`` says the database is not reachable *yet* (worth waiting for), as
     opposed to a wrong password, a missing database or table, or missing privileges."""

@@ -1,10 +1,17 @@
-"""Database URLs, and engines for the senders (relay and immediate send)."""
+"""Database URLs, and engines for the senders (relay and immediate send).
+
+Publishing runs on whatever SQLAlchemy PostgreSQL driver the service uses (psycopg 3,
+psycopg2, asyncpg): it writes in the caller's transaction. What outbox connects itself
+(the daemons, the immediate sender, the test helpers' reads) uses psycopg 3, which it
+installs: the daemons use psycopg's own connections (LISTEN/NOTIFY, its errors).
+"""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 
 from outbox.errors import ConfigError
+from outbox.redaction import mask_secrets
 
 #: The driver outbox talks to PostgreSQL with (psycopg 3), as SQLAlchemy names it.
 DRIVER_SCHEME = "postgresql+psycopg"
@@ -13,15 +20,17 @@ DRIVER_SCHEME = "postgresql+psycopg"
 #: ``DATABASE_URL`` of many hosting platforms) have one. SQLAlchemy reads ``postgresql://``
 #: as psycopg2 and does not know ``postgres://`` at all.
 _PLAIN_SCHEMES = ("postgres", "postgresql")
-_OTHER_DRIVERS = {"postgresql+psycopg2": "psycopg2", "postgres+psycopg2": "psycopg2"}
 
 
 def database_url(url: str) -> str:
-    """``url`` with the psycopg 3 driver: ``postgres://`` and ``postgresql://`` become
-    ``postgresql+psycopg://``; anything else is returned as it is.
+    """``url`` for the ``outbox`` commands, which talk to PostgreSQL with psycopg 3:
+    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``; a URL of another
+    driver is returned as it is unless it names a PostgreSQL driver.
 
-    Raises :class:`~outbox.errors.ConfigError` for a psycopg2 URL, saying what to write
-    instead (outbox does not depend on psycopg2)::
+    Raises :class:`~outbox.errors.ConfigError` for a URL with another PostgreSQL driver
+    (``postgresql+psycopg2://``, ``postgresql+asyncpg://``...), saying what to write instead:
+    the daemons use psycopg 3 itself (LISTEN/NOTIFY, its errors), not through SQLAlchemy,
+    while publishing works with any of them (docs/publishing.md)::
 
         >>> database_url("postgres://app:pw@db/shop")
         'postgresql+psycopg://app:pw@db/shop'
@@ -29,15 +38,27 @@ def database_url(url: str) -> str:
     scheme, separator, rest = url.partition("://")
     if not separator:
         return url
-    if scheme.lower() in _PLAIN_SCHEMES:
+    backend, _, driver = scheme.lower().partition("+")
+    if backend not in _PLAIN_SCHEMES:
+        return url
+    if driver in ("", "psycopg"):
         return f"{DRIVER_SCHEME}://{rest}"
-    driver = _OTHER_DRIVERS.get(scheme.lower())
-    if driver is not None:
-        raise ConfigError(
-            f"{scheme}:// URLs need {driver}, which outbox does not use: write "
-            f"{DRIVER_SCHEME}://... (psycopg 3), or postgresql://..., instead"
-        )
-    return url
+    raise ConfigError(
+        f"{scheme}:// works for publishing from your code, but the outbox commands talk to "
+        "PostgreSQL with psycopg 3 (installed with outbox): write "
+        f"{mask_secrets(DRIVER_SCHEME + '://' + rest)} instead (or postgresql://...)"
+    )
+
+
+def own_driver_url(url: str | sa.URL) -> sa.URL:
+    """The same database as ``url``, reached with psycopg 3: for the connections outbox opens
+    itself (the immediate sender's, a test helper's reads) next to a service that runs
+    psycopg2 or asyncpg. A URL of another database is returned as it is."""
+    parsed = sa.make_url(url) if isinstance(url, str) else url
+    backend, _, driver = parsed.drivername.lower().partition("+")
+    if backend in _PLAIN_SCHEMES and driver != "psycopg":
+        parsed = parsed.set(drivername=DRIVER_SCHEME)
+    return parsed
 
 
 def sender_engine(
@@ -72,8 +93,7 @@ def sender_engine(
     Every checkout pings the connection first: after a database restart, a stale pooled
     connection is replaced rather than failing the statement.
     """
-    if isinstance(url, str):
-        url = database_url(url)
+    url = own_driver_url(url)
     options = "-c plan_cache_mode=force_custom_plan -c jit=off"
     if not nested_loops:
         options += " -c enable_nestloop=off -c enable_seqscan=off"

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from outbox.binds import checked_connection as _checked_connection
 from outbox.binds import session_connection as _session_connection
 from outbox.cloudevents import CloudEvents
+from outbox.database_errors import constraint_of, sqlstate_of
 from outbox.errors import (
     ConfigError,
     NotInTransaction,
@@ -386,9 +387,7 @@ class Outbox:
                     if fresh:
                         self._insert_rows(conn, fresh, leased)
             except exc.IntegrityError as error:
-                if getattr(getattr(error.orig, "diag", None), "constraint_name", None) != (
-                    self.spec.idempotency_index
-                ):
+                if constraint_of(error) != self.spec.idempotency_index:
                     raise
                 continue  # a concurrent transaction committed one of the keys: look again
             written = {id(m) for m in fresh}
@@ -488,7 +487,7 @@ def _forget_ids(session: Session) -> None:
 
 def translate_table_error(error: exc.ProgrammingError, spec: OutboxTableSpec) -> OutboxError | None:
     """The outbox error for a write refused because the table is missing or not writable."""
-    code = getattr(error.orig, "sqlstate", None)
+    code = sqlstate_of(error)
     if code == "42P01":  # undefined_table
         return OutboxTableMissing(
             f"table {spec.qualified_name} does not exist: run `outbox db upgrade`"

@@ -14,6 +14,10 @@ As a pytest plugin (``pytest_plugins = ["outbox.testing"]`` in a ``conftest.py``
 fixtures ``outbox_database_url`` (a throwaway database on the server that
 ``OUTBOX_TEST_DATABASE_URL`` names; override the fixture to use your own), ``published`` and
 ``feed_inbox``. docs/testing.md shows them in use.
+
+PYTEST_DONT_REWRITE: its checks raise their AssertionErrors themselves, so pytest has
+nothing to rewrite here, and a ``conftest.py`` that imports this module before naming it
+in ``pytest_plugins`` gets no PytestAssertRewriteWarning.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from outbox.decoding import Deserializer, JsonDeserializer
+from outbox.engines import own_driver_url
 from outbox.message import NO_KEY, Message, NoKey, encode_message
 from outbox.publisher import DEFAULT_MAX_MESSAGE_BYTES
 from outbox.records import OutboxRecord
@@ -37,6 +42,8 @@ from outbox.serialization import JsonSerializer, Serializer
 from outbox.validation import HeadersLike, KeyLike
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from outbox.inbox import Inbox
     from outbox.inbox.api import RawRecord
 
@@ -79,22 +86,31 @@ class PublishedMessages:
     >>> published.one("orders").value["type"]                       # doctest: +SKIP
     'OrderPlaced'
 
-    It reads the table on a connection of its own, so it sees what committed, whichever
-    process or thread wrote it. ``bind=session`` on the read methods reads through that
-    session's connection instead, seeing its transaction's own uncommitted messages too.
+    ``bind`` is an Engine, an AsyncEngine or a URL, of any PostgreSQL driver (psycopg 3,
+    psycopg2, asyncpg). It reads the table on a connection of its own, so it sees what
+    committed, whichever process or thread wrote it. ``bind=session`` (a Session or a
+    Connection) on the read methods reads through that session's connection instead, seeing
+    its transaction's own uncommitted messages too; for an AsyncSession, call them inside
+    ``await session.run_sync(lambda sync: published.values(bind=sync))``.
     Messages of transactions that were open before it started are not counted.
     """
 
     def __init__(
         self,
-        bind: sa.Engine | str,
+        bind: sa.Engine | AsyncEngine | str,
         *,
         schema: str = "public",
         table: str = "outbox",
         deserializer: Deserializer | None = None,
     ) -> None:
-        self._own_engine = isinstance(bind, str)
-        self.engine = sa.create_engine(bind) if isinstance(bind, str) else bind
+        self._own_engine = not isinstance(bind, sa.Engine)
+        if isinstance(bind, sa.Engine):
+            self.engine = bind
+        else:
+            # A URL of any PostgreSQL driver, or an AsyncEngine (asyncpg's among them): its
+            # own reads are plain blocking ones, through psycopg 3.
+            url = bind if isinstance(bind, str) else bind.url
+            self.engine = sa.create_engine(own_driver_url(url))
         self.spec = OutboxTableSpec(schema=schema, table=table)
         self.deserializer = deserializer or JsonDeserializer()
         self._since = 0
@@ -147,6 +163,10 @@ class PublishedMessages:
             self.engine.dispose()
 
     def _message(self, row: Any) -> PublishedMessage:
+        # psycopg2 reads bytea as memoryview; the record takes bytes.
+        header_values = row.header_values and [
+            bytes(value) if isinstance(value, memoryview) else value for value in row.header_values
+        ]
         record = OutboxRecord.from_columns(
             row.id,
             row.seq,
@@ -156,7 +176,7 @@ class PublishedMessages:
             row.value,
             row.content_type,
             row.header_names,
-            row.header_values,
+            header_values,
             0,
         )
         return PublishedMessage(
@@ -313,28 +333,53 @@ def throwaway_database(
 ) -> Iterator[str]:
     """A new database on ``server_url``'s server (the role must be allowed to create
     databases), with the outbox table (``outbox``) and the inbox tables (``inbox``) at their
-    newest revision; yields its URL and drops it afterwards."""
+    newest revision; yields its URL and drops it afterwards.
+
+    The URL keeps ``server_url``'s driver (psycopg2 or asyncpg, say: what the service's code
+    runs on); the database is made and migrated through psycopg 3."""
     from outbox import migrate
     from outbox.inbox import migrate as inbox_migrate
 
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     server = make_url(server_url)
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(own_driver_url(server), isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
             conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
         url = server.set(database=name).render_as_string(hide_password=False)
+        own_url = own_driver_url(server.set(database=name)).render_as_string(hide_password=False)
         try:
             if outbox:
-                migrate.upgrade(url)
+                migrate.upgrade(own_url)
             if inbox:
-                inbox_migrate.install(url)
+                inbox_migrate.install(own_url)
             yield url
         finally:
             with admin.connect() as conn:
                 conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         admin.dispose()
+
+
+def test_server_url() -> str:
+    """The PostgreSQL server ``OUTBOX_TEST_DATABASE_URL`` names, for a fixture of the
+    service's own that makes a database there (see docs/testing.md); without it, a
+    ``pytest.UsageError`` (a ``RuntimeError`` outside pytest) says to set it."""
+    server = os.environ.get(TEST_DATABASE_URL_ENV)
+    if server:
+        return server
+    problem = (
+        f"set {TEST_DATABASE_URL_ENV} to a PostgreSQL server the tests may create databases "
+        "on, or override the outbox_database_url fixture"
+    )
+    try:
+        import pytest
+    except ImportError:
+        raise RuntimeError(problem) from None
+    raise pytest.UsageError(problem)
+
+
+test_server_url.__test__ = False  # type: ignore[attr-defined]  # not a test, for pytest
 
 
 # -- the pytest plugin -------------------------------------------------------------------------
@@ -349,13 +394,7 @@ else:
     def outbox_database_url() -> Iterator[str]:
         """A throwaway database with the outbox and inbox tables, on the server that
         ``OUTBOX_TEST_DATABASE_URL`` names. Override this fixture to use a database of yours."""
-        server = os.environ.get(TEST_DATABASE_URL_ENV)
-        if not server:
-            raise pytest.UsageError(
-                f"set {TEST_DATABASE_URL_ENV} to a PostgreSQL server the tests may create "
-                "databases on, or override the outbox_database_url fixture"
-            )
-        with throwaway_database(server, inbox=True) as url:
+        with throwaway_database(test_server_url(), inbox=True) as url:
             yield url
 
     @pytest.fixture

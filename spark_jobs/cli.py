@@ -215,7 +215,8 @@ OUTPUT = click.option(
     show_envvar=True,
     metavar="PATHS",
     help="Jars for the driver and the executors, comma-separated (repeatable) [default: the "
-    "local stack's when run from a source checkout, else --packages' default].",
+    "local stack's when run from a source checkout, else those `outbox reconcile jars` "
+    "fetched, else --packages' default].",
 )
 @click.option(
     "--packages",
@@ -225,7 +226,8 @@ OUTPUT = click.option(
     show_envvar=True,
     metavar="COORDINATES",
     help="Maven coordinates Spark resolves itself, comma-separated (repeatable) [default, "
-    f"without --jars and outside a source checkout: {','.join(SPARK_PACKAGES)}].",
+    "without --jars, outside a source checkout and before `outbox reconcile jars`: "
+    f"{','.join(SPARK_PACKAGES)}].",
 )
 @click.option(
     "--conf",
@@ -422,6 +424,25 @@ def list_(output: str, limit: int, as_json: bool) -> None:
         click.echo(runs.render_runs(found))
     else:
         click.echo(f"no runs under {output}")
+
+
+@reconcile.command("jars")
+def jars_() -> None:
+    """Fetch Spark's Kafka source and the PostgreSQL JDBC driver with Maven, once.
+
+    They go into this user's cache (OUTBOX_CACHE_DIR, else ~/.cache/outbox-kafka), where
+    `outbox reconcile` takes them from when given neither --jars nor --packages. Prints
+    their folder and the OUTBOX_SPARK_JARS line that names them, for spark-submit or
+    another machine. Needs `mvn`; later runs need no network.
+    """
+    from outbox.spark_jobs.jars import JarsUnresolved, cached_jars_dir, resolve_jars
+
+    try:
+        found = resolve_jars()
+    except JarsUnresolved as exc:
+        raise JobError(str(exc)) from None
+    click.echo(f"{len(found)} jars in {cached_jars_dir()}: `outbox reconcile` uses them")
+    click.echo("OUTBOX_SPARK_JARS=" + ",".join(str(jar) for jar in found))
 
 
 def _split(values: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,4 +1,10 @@
-"""Starting Spark's JVM when it must resolve Maven packages, with Ivy's report held back.
+"""Starting Spark's JVM: in a working directory of outbox's own, and, when it must resolve
+Maven packages, with Ivy's report held back.
+
+Spark 4.0 makes its artifact folder (``artifacts/spark-<uuid>``) relative to the JVM's
+working directory and leaves ``artifacts/`` behind; started from a service's folder, the
+audit would write there. So the JVM starts in :func:`jvm_working_dir` (in the user's cache),
+and the job hands Spark absolute paths (:func:`outbox.spark_jobs.session.spark_path`).
 
 Spark resolves ``spark.jars.packages`` with Ivy while its JVM starts. When that fails, the JVM
 exits after about a hundred lines of Ivy output and PySpark says only ``[JAVA_GATEWAY_EXITED]
@@ -16,7 +22,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO
+
+from outbox.spark_jobs.jars import cache_dir
 
 #: Ivy's summary of a failed resolution: ``[download failed: g#a;v!a.jar]``, ``[unresolved
 #: dependency: g#a;v: not found]``, as Spark's SparkSubmit throws it.
@@ -51,12 +60,21 @@ def ivy_cause(output: str) -> PackagesUnresolved | None:
     return PackagesUnresolved(thrown, tuple(tried[:3]))
 
 
-def launch_resolving_packages(options: Mapping[str, str]) -> None:
-    """Start the JVM for ``options`` (which name packages) unless one runs already.
+def jvm_working_dir() -> Path:
+    """Where Spark's JVM runs: ``spark/`` in outbox's cache (see
+    :func:`outbox.spark_jobs.jars.cache_dir`), made if need be."""
+    folder = cache_dir() / "spark"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def launch_jvm(options: Mapping[str, str]) -> None:
+    """Start the JVM for ``options`` in :func:`jvm_working_dir`, unless one runs already.
 
     Under ``spark-submit`` (``PYSPARK_GATEWAY_PORT``) or with a JVM already started, nothing is
-    done: the packages were resolved then. Raises :class:`PackagesUnresolved` on an Ivy failure;
-    any other failure to start is PySpark's own error, as without this.
+    done (the packages were resolved then). With packages to resolve, raises
+    :class:`PackagesUnresolved` on an Ivy failure; any other failure to start is PySpark's
+    own error, as without this.
     """
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
@@ -64,10 +82,15 @@ def launch_resolving_packages(options: Mapping[str, str]) -> None:
     if "PYSPARK_GATEWAY_PORT" in os.environ or SparkContext._gateway is not None:
         return
     conf = SparkConf(loadDefaults=False).setAll(list(options.items()))
+    where = {"cwd": str(jvm_working_dir())}
+    if "spark.jars.packages" not in options:
+        gateway = launch_gateway(conf, popen_kwargs=where)  # type: ignore[no-untyped-call]
+        SparkContext._ensure_initialized(gateway=gateway)
+        return
     output = tempfile.TemporaryFile()  # noqa: SIM115 (the JVM writes to it for its whole life)
     try:
         gateway = launch_gateway(  # type: ignore[no-untyped-call]
-            conf, popen_kwargs={"stdout": output, "stderr": output}
+            conf, popen_kwargs={**where, "stdout": output, "stderr": output}
         )
     except Exception:
         output.seek(0)

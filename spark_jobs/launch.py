@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from outbox.spark_jobs.jars import SPARK_PACKAGES
+from outbox.spark_jobs.jars import SPARK_PACKAGES, cached_jars
 from outbox.spark_jobs.window import AuditWindow
 
 if TYPE_CHECKING:
@@ -66,8 +66,13 @@ class SparkSetup:
 
 def default_jars() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(jars, packages) when none are given: the local stack's jars in a source checkout
-    (resolved once from Maven Central, so runs need no network), else the pinned packages."""
+    (resolved once from Maven Central, so runs need no network); from an installed package,
+    the jars ``outbox reconcile jars`` resolved into the user's cache, else the pinned
+    packages (which Spark resolves itself, with Ivy, at every start)."""
     if importlib.util.find_spec("outbox.devstack") is None:  # an installed wheel
+        cached = cached_jars()
+        if cached:
+            return tuple(str(jar) for jar in cached), ()
         return (), SPARK_PACKAGES
     from outbox.devstack import StackError, spark_jars
 
@@ -131,8 +136,8 @@ def start_session(
     except PackagesUnresolved as exc:
         raise JobError(
             f"cannot start Spark: Ivy could not resolve the packages {','.join(packages)}: "
-            f"{exc}; give the jars as local files with --jars PATHS (or OUTBOX_SPARK_JARS) "
-            "instead"
+            f"{exc}; fetch them once with `outbox reconcile jars` (Maven), or give the jars as "
+            "local files with --jars PATHS (or OUTBOX_SPARK_JARS)"
         ) from None
     except Exception as exc:  # a missing JVM surfaces as several exception types
         raise JobError(f"cannot start Spark: {str(exc).strip().splitlines()[0]}") from None

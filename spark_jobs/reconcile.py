@@ -27,6 +27,7 @@ from outbox.spark_jobs.progress import Progress
 from outbox.spark_jobs.repair import requeue_missing
 from outbox.spark_jobs.report import RunSummary
 from outbox.spark_jobs.runs import ROWS, ROWS_JSON, SUMMARY, new_run_id
+from outbox.spark_jobs.session import spark_path
 from outbox.spark_jobs.sources import normalize_records, read_archive, read_kafka, read_outbox
 from outbox.spark_jobs.window import AuditWindow, uuid7_floor
 
@@ -109,7 +110,9 @@ def _topic_side(spark: SparkSession, config: ReconcileConfig, topics: Sequence[s
         )
     else:
         assert config.archive_path is not None
-        raw = read_archive(spark, config.archive_path, config.archive_format, topics or None)
+        raw = read_archive(
+            spark, spark_path(config.archive_path), config.archive_format, topics or None
+        )
     return normalize_records(raw, config.window)
 
 
@@ -171,7 +174,7 @@ def run(
             F.sum(F.when(F.col("copies").isNull(), 0).otherwise(F.size("copies"))).alias("records"),
             *d.clock_skew(),
         )
-        rows_path = str(Path(config.output) / ROWS)
+        rows_path = spark_path(str(Path(config.output) / ROWS))
         with progress.step(
             f"reading the outbox and the topics, matching by message id, writing {rows_path}"
         ):
@@ -180,7 +183,7 @@ def run(
         found = spark.read.parquet(rows_path)
         # The same rows as JSON lines, for reading without Spark (``outbox reconcile show``).
         found.orderBy("class", "message_id").write.mode("overwrite").json(
-            str(Path(config.output) / ROWS_JSON)
+            spark_path(str(Path(config.output) / ROWS_JSON))
         )
         counts = {
             (row["class"], row["topic"] or "?"): int(row["count"])

@@ -10,14 +10,23 @@ Whatever master it runs on, the driver and every executor must have them, so the
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from outbox.spark_jobs.gateway import launch_resolving_packages
+from outbox.spark_jobs.gateway import launch_jvm
 
 LOGGING_CONF = Path(__file__).with_name("log4j2.properties")
+
+
+def spark_path(path: str) -> str:
+    """``path`` as the job hands it to Spark: a local path made absolute (the JVM runs in a
+    directory of its own, not in this process's), a URI (``s3a://``, ``file:``...) as it is."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        return path
+    return os.path.abspath(path)
 
 
 def session_options(
@@ -40,7 +49,7 @@ def session_options(
             options["spark.driver.bindAddress"] = "127.0.0.1"
             options["spark.ui.enabled"] = "false"
     if jars:
-        options["spark.jars"] = ",".join(jars)
+        options["spark.jars"] = ",".join(spark_path(jar) for jar in jars)
     if packages:
         options["spark.jars.packages"] = ",".join(packages)
     options["spark.sql.shuffle.partitions"] = str(shuffle_partitions)
@@ -63,9 +72,11 @@ def build_session(
     ``master=None`` leaves the master to ``spark-submit``. A local master keeps the driver on
     loopback with its web UI off. ``extra_conf`` comes last, so it overrides all of this.
 
-    When packages are to be resolved, the JVM is started here with its output held back, so
-    that an Ivy failure raises :class:`~outbox.spark_jobs.gateway.PackagesUnresolved` naming
-    Ivy's cause instead of printing its report.
+    The JVM is started here, in a working directory of outbox's own (see
+    :mod:`outbox.spark_jobs.gateway`). When packages are to be resolved, its output is held
+    back, so that an Ivy failure raises
+    :class:`~outbox.spark_jobs.gateway.PackagesUnresolved` naming Ivy's cause instead of
+    printing its report.
     """
     options = session_options(
         app_name,
@@ -77,8 +88,7 @@ def build_session(
     )
     if master and master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    if "spark.jars.packages" in options:
-        launch_resolving_packages(options)
+    launch_jvm(options)
     builder = SparkSession.builder
     for key, value in options.items():
         builder = builder.config(key, value)

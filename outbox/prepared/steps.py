@@ -39,6 +39,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.dialects import postgresql as pg
 
+from outbox.database_errors import sqlstate_of
 from outbox.errors import ConfigError, OutboxError
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer
 from outbox.prepared.checkers import CheckMessage
@@ -142,7 +143,7 @@ class StepLog:
                     return ROLLBACK  # committed as the block ends, before the answer is used
                 outcome = conn.execute(self._outcome(message.id)).scalar()
         except exc.OperationalError as error:
-            if getattr(error.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            if sqlstate_of(error) == _LOCK_NOT_AVAILABLE:
                 # The step's transaction holds the id and can still commit: a failed check,
                 # not an UNKNOWN, so that no count of checks ends the message rolled back.
                 raise StepInProgress(

@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import exc
 
+from outbox.database_errors import sqlstate_of
 from outbox.errors import OutboxError
 from outbox.message import EncodedMessage
 from outbox.prepared.answers import COMMIT, ROLLBACK
@@ -298,7 +299,7 @@ class PreparedStore:
 
     def _translated(self, error: exc.ProgrammingError) -> OutboxError | None:
         translated = translate_table_error(error, self.spec)
-        if translated is None and getattr(error.orig, "sqlstate", None) == "42703":
+        if translated is None and sqlstate_of(error) == "42703":
             translated = OutboxError(_too_old(self.spec))  # undefined_column: not upgraded
         return translated
 

@@ -27,6 +27,18 @@ WINDOW = 10.0
 MOST_PER_WINDOW = 10
 
 
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+
+
+def documented_signal_line(daemon: str) -> str:
+    """The SIGTERM line docs/operations.md quotes for ``daemon`` (relay, consumer, checkback)."""
+    command = {"relay": "relay", "consumer": "consume", "checkback": "checkback"}[daemon]
+    for line in OPERATIONS.read_text().splitlines():
+        if line.startswith(f"| `outbox {command}` | `"):
+            return line.split("`")[3]
+    raise AssertionError(f"docs/operations.md quotes no SIGTERM line of outbox {command}")
+
+
 def lines_of(log: Path) -> list[str]:
     return log.read_text(errors="replace").splitlines()
 
@@ -67,9 +79,9 @@ def test_kafka_down_for_30s_gives_a_few_lines_per_10s(
     for name, log in logs.items():
         entries = [json.loads(line) for line in lines_of(log)]  # every line is JSON
         assert any(entry["logger"] == "outbox.kafka" for entry in entries), name
-        # Every daemon says it got the signal, and what it does.
+        # Every daemon says it got the signal, and what it does: the line operations.md quotes.
         said = [entry["msg"] for entry in entries if entry["level"] == "info"]
-        assert any("SIGTERM" in msg or "signal 15" in msg for msg in said), name
+        assert documented_signal_line(name) in said, (name, said)
 
 
 def test_the_check_back_runner_logs_in_the_same_format_and_logs_its_signal(
@@ -101,4 +113,6 @@ def test_the_check_back_runner_logs_in_the_same_format_and_logs_its_signal(
     text = lines_of(log)
     said = [line for line in text if "SIGINT received" in line]
     assert said and " INFO " in said[0] and "outbox.checkback: " in said[0], text
+    quoted = documented_signal_line("checkback").replace("SIGTERM", "SIGINT")
+    assert said[0].endswith(quoted), (said[0], quoted)
     assert not any(line.startswith("{") for line in text), text  # text, as asked

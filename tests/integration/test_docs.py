@@ -63,6 +63,9 @@ PLACEHOLDERS = (
     "postgresql+psycopg://orders:pw@db/orders",
 )
 
+#: Drivers a service may publish with beside psycopg 3 (docs/publishing.md), in placeholders.
+OTHER_DRIVERS = ("psycopg2", "asyncpg")
+
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
 SKIP = re.compile(r"skip\s*\((?P<reason>.*)\)$")
@@ -326,6 +329,12 @@ class DocRun:
     def substitute(self, code: str) -> str:
         for placeholder in PLACEHOLDERS:
             code = code.replace(placeholder, self.url)
+            for driver in OTHER_DRIVERS:  # the same database, through a service's own driver
+                theirs = sa.make_url(self.url).set(drivername=f"postgresql+{driver}")
+                code = code.replace(
+                    placeholder.replace("+psycopg:", f"+{driver}:"),
+                    theirs.render_as_string(hide_password=False),
+                )
         for broker in ('"kafka:9092"', '"broker:9092"'):
             code = code.replace(broker, repr(self.bootstrap).replace("'", '"'))
         return code

@@ -183,6 +183,13 @@ def walk_the_guide(shop: str, fulfilment: str, bootstrap: str, make_topic, tmp: 
                 outbox_rows = conn.execute(sa.text("SELECT status, value FROM outbox")).all()
             with fulfilment_engine.connect() as conn:
                 applied = conn.execute(sa.text("SELECT count(*) FROM inbox")).scalar()
+            # Step 3's check query shows each message's key and value as text.
+            query = documented(
+                "SELECT status, topic, convert_from(key, 'UTF8') AS key, "
+                "convert_from(value, 'UTF8') AS value\n  FROM outbox;"
+            )
+            with shop_engine.connect() as conn:
+                shown = conn.execute(sa.text(query)).all()
         finally:
             shop_engine.dispose()
             fulfilment_engine.dispose()
@@ -194,6 +201,9 @@ def walk_the_guide(shop: str, fulfilment: str, bootstrap: str, make_topic, tmp: 
         p["order_id"]: n for n, p in enumerate(placed, start=1)
     }
     assert applied == 3
+    assert sorted((row.key, json.loads(row.value)["order_id"]) for row in shown) == sorted(
+        (p["order_id"], p["order_id"]) for p in placed
+    )
 
     # Step 7: the audit, now, over the last hour: nothing missing, duplicated or stuck.
     audit = command(
@@ -234,3 +244,34 @@ def test_the_merge_way_keeps_one_head_until_the_outbox_adds_a_revision(
     command("alembic", "-c", ini, "revision", "-m", "add email", env=env)
     assert len(set(versions.glob("*.py")) - before) == 2
     assert len(command("alembic", "-c", ini, "heads", env=env).stdout.strip().splitlines()) == 1
+
+
+def test_a_label_on_an_applied_first_revision_joins_the_histories(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A service whose history had no branch label and is applied already: the guide's edit
+    of its first revision, then `alembic upgrade heads`, adds the outbox and re-runs nothing."""
+    service = tmp_path / "service"
+    service.mkdir()
+    shutil.copytree(EXAMPLE / "migrations", service / "migrations")
+    (first,) = (service / "migrations" / "versions").glob("*app_0001*.py")
+    labelled = documented('branch_labels = ("app",)')
+    first.write_text(first.read_text().replace(labelled, "branch_labels = None"))
+    ini = (EXAMPLE / "alembic.ini").read_text()
+    alone = ini.replace(" outbox.migrations:versions", "")  # before the outbox: one history
+    (service / "alembic.ini").write_text(alone)
+    env = {"OUTBOX_DATABASE_URL": database_url}
+    config = str(service / "alembic.ini")
+    command("alembic", "-c", config, "upgrade", "head", env=env)
+    assert "outbox" not in tables(database_url) and "orders" in tables(database_url)
+
+    # The guide's two edits: the outbox's revisions listed, the first revision labelled.
+    documented("Edit that file, already applied or not, and change its line to")
+    (service / "alembic.ini").write_text(ini)
+    first.write_text(first.read_text().replace("branch_labels = None", labelled))
+    command("alembic", "-c", config, "upgrade", "heads", env=env)
+    assert {"outbox", "orders", "customers"} <= tables(database_url)
+    current = command("alembic", "-c", config, "current", env=env).stdout
+    assert "app_0001 (head)" in current, current  # applied once, not again
+    heads = command("alembic", "-c", config, "heads", env=env).stdout
+    assert documented("app_0001 (app) (head)") in heads and "(outbox) (head)" in heads, heads

@@ -170,6 +170,13 @@ def test_the_build_warns_of_nothing(built: Built) -> None:
     assert warnings == [], "\n".join(warnings)
 
 
+def test_the_wheel_ships_the_django_app_and_the_audits_jar_list(built: Built) -> None:
+    with zipfile.ZipFile(built.wheel) as wheel:
+        names = set(wheel.namelist())
+    assert "outbox/django/migrations/0001_outbox_table.py" in names
+    assert "outbox/spark_jobs/jars.pom.xml" in names
+
+
 def test_the_sdist_carries_the_examples_the_docs_and_the_changelog(built: Built) -> None:
     with tarfile.open(built.sdist) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
@@ -194,6 +201,18 @@ def test_the_readme_names_what_make_dist_makes_and_how_to_install_today(built: B
     assert f"dist/{built.sdist.name}" in install and f"dist/{built.wheel.name}" in install
     assert "pip install ." in install and 'pip install "./[spark]"' in install
     assert "not on the public package index yet" in install and "`outbox-kafka`" in install
+
+
+def test_make_dist_needs_no_development_set_up(tmp_path: Path) -> None:
+    """`make dist` on a machine without the project's virtualenv: nothing but `build`."""
+    planned = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-C", str(ROOT), "dist",
+         f"VENV={tmp_path / 'no-venv'}", f"BUILD_VENV={tmp_path / 'build-venv'}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "-m build" in planned.stdout
+    assert "[dev" not in planned.stdout and "no-venv" not in planned.stdout, planned.stdout
+    assert "outbox dev" not in planned.stdout
 
 
 def test_the_spark_extra_pins_pyspark(installed: Path) -> None:

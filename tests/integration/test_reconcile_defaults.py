@@ -117,8 +117,8 @@ def test_packages_ivy_cannot_resolve_are_one_line_naming_the_cause_and_jars(
     assert lines[-1] == (
         f"Error: cannot start Spark: Ivy could not resolve the packages {POSTGRES_DRIVER}: "
         "download failed: org.postgresql#postgresql;42.7.7!postgresql.jar "
-        f"(tried file:{jar}); give the jars as local files with --jars PATHS "
-        "(or OUTBOX_SPARK_JARS) instead"
+        f"(tried file:{jar}); fetch them once with `outbox reconcile jars` (Maven), or give "
+        "the jars as local files with --jars PATHS (or OUTBOX_SPARK_JARS)"
     )
     assert "JAVA_GATEWAY_EXITED" not in result.stderr and "::" not in result.stderr
     assert len(lines) <= 3, result.stderr  # the run's first line, the error, nothing of Ivy's

@@ -177,7 +177,7 @@ def run_example_tests(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_the_example_service_tests_run_with_the_plugin(postgres_server) -> None:  # type: ignore[no-untyped-def]
     result = run_example_tests({"OUTBOX_TEST_DATABASE_URL": postgres_server.url()})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "3 passed" in result.stdout
+    assert "4 passed" in result.stdout
 
 
 def test_the_plugin_says_what_it_needs_without_a_server() -> None:
@@ -217,3 +217,35 @@ def test_the_feeder_runs_coroutine_handlers_with_an_async_session(url: str) -> N
     assert feeder.feed("orders", {"order_id": "a-1"}).applied
     feeder.close()
     assert seen == [("a-1", True)]
+
+
+@pytest.mark.parametrize("plugin", ["outbox.testing", "outbox.django.testing"])
+def test_a_conftest_that_imports_the_helpers_before_the_plugin_gets_no_warning(
+    plugin: str, tmp_path: Path
+) -> None:
+    """As a service's conftest.py often reads: the helpers imported at the top, the plugin
+    named below. pytest could not rewrite the module any more, and would warn about it."""
+    (tmp_path / "conftest.py").write_text(
+        f"from {plugin} import *  # noqa: F403\n\npytest_plugins = [{plugin!r}]\n"
+    )
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "examples.django_service.settings"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-W", "error::pytest.PytestAssertRewriteWarning", str(tmp_path)],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "PytestAssertRewriteWarning" not in result.stdout + result.stderr
+    assert "1 passed" in result.stdout
+
+
+def test_the_override_recipe_in_the_docs_is_the_example_services_conftest() -> None:
+    """docs/testing.md's fixtures are those examples/fastapi_service/conftest.py runs."""
+    docs = (ROOT / "docs" / "testing.md").read_text()
+    section = docs[docs.index("## Your own migrations") :]
+    block = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
+    conftest = (ROOT / "examples" / "fastapi_service" / "conftest.py").read_text()
+    for chunk in block.strip().split("\n\n"):
+        assert chunk.strip() in conftest, chunk

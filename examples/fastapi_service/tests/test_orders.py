@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,8 +21,6 @@ from sqlalchemy.pool import NullPool
 import outbox
 from examples.fastapi_service import app as service
 from examples.fastapi_service import fulfilment
-from examples.fastapi_service.models import Base
-from outbox.inbox import Inbox
 from outbox.testing import InboxFeeder, PublishedMessages
 
 
@@ -41,9 +39,6 @@ class Client:
 @pytest.fixture
 def client(outbox_database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Client]:
     """The service on a database of the test's own (its tables; the outbox's are there)."""
-    engine = sa.create_engine(outbox_database_url)
-    Base.metadata.create_all(engine)
-    engine.dispose()
     # No pool: each request runs on an event loop of its own.
     async_engine = create_async_engine(outbox_database_url, poolclass=NullPool)
     monkeypatch.setattr(service, "ob", outbox.Outbox(async_engine))
@@ -75,11 +70,9 @@ def test_a_refused_order_publishes_nothing(client: Client, published: PublishedM
 
 
 def test_fulfilment_ships_an_order_once_however_often_it_arrives(
-    outbox_database_url: str, feed_inbox: Callable[[Inbox], InboxFeeder]
+    fulfilment_database_url: str,
 ) -> None:
-    engine = sa.create_engine(outbox_database_url)
-    fulfilment.Base.metadata.create_all(engine)
-    feeder = feed_inbox(fulfilment.inbox)
+    feeder = InboxFeeder(fulfilment.inbox, fulfilment_database_url)  # its own database
     order_id, message_id = uuid.uuid4(), uuid.uuid4()
     event = {
         "type": "OrderPlaced",
@@ -91,10 +84,26 @@ def test_fulfilment_ships_an_order_once_however_often_it_arrives(
 
     first = feeder.feed("orders", event, key=str(order_id), message_id=message_id)
     again = feeder.feed("orders", event, key=str(order_id), message_id=message_id)
+    feeder.close()
 
     assert first.applied and again.duplicate
+    engine = sa.create_engine(fulfilment_database_url)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT order_id, items FROM shipments")).all() == [
             (order_id, 2)
         ]
+    engine.dispose()
+
+
+def test_what_the_order_service_published_ships_in_the_fulfilment_service(
+    client: Client, published: PublishedMessages, fulfilment_database_url: str
+) -> None:
+    customer = client.post("/customers", {"credit": "100.00"}).json()["customer_id"]
+    assert place(client, customer, quantity=3) == 201
+    feeder = InboxFeeder(fulfilment.inbox, fulfilment_database_url)
+    assert feeder.feed_published(published.one("orders")).applied
+    feeder.close()
+    engine = sa.create_engine(fulfilment_database_url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT items FROM shipments")).scalars().all() == [3]
     engine.dispose()

@@ -1,0 +1,18 @@
+"""``python -m examples.django_service migrate`` (or ``runserver``): its manage.py, from a
+checkout."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "examples.django_service.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(sys.argv)
+
+
+if __name__ == "__main__":
+    main()
