@@ -6,6 +6,7 @@ import glob
 import hashlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 from dataclasses import dataclass
@@ -198,6 +199,16 @@ class PostgresServer:
         if result.returncode != 0 and self.running():
             pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
             terminate(pid)
+
+    def kill(self) -> None:
+        """``kill -9`` of the postmaster and every backend, as when the server's machine dies:
+        nothing is flushed or shut down, and clients see their connections reset."""
+        for pid in _processes_in(self.data_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        wait_until(lambda: not _processes_in(self.data_dir), 30, "the killed server to exit")
 
     def create_database(self, name: str, template: str | None = None) -> str:
         """Create ``name`` (from ``template`` if given) and return its SQLAlchemy URL."""
