@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from outbox import Outbox, migrate
 from outbox.chaos.proxy import FaultProxy
+from outbox.devstack.postgres import PostgresServer
 from outbox.devstack.procs import StackError, free_port
 from outbox.devstack.replication import ASYNCHRONOUS, SYNCHRONOUS, in_recovery, wait_caught_up
 from outbox.devstack.stack import LocalStack, stack_home
@@ -33,7 +34,7 @@ from outbox.prepared import (
     CheckRegistry,
     PreparedMessages,
 )
-from outbox.relay.config import AT_LEAST_ONCE, EXACTLY_ONCE
+from outbox.relay.config import AT_LEAST_ONCE, EXACTLY_ONCE, RelayConfig
 from tests.inbox_app import make_inbox
 from tests.inbox_helpers import (
     consumer_config,
@@ -350,3 +351,66 @@ def test_a_relay_behind_an_address_that_moves_to_the_new_primary_resumes_within_
 def _ids(engine: sa.Engine) -> list[uuid.UUID]:
     with engine.connect() as conn:
         return list(conn.execute(sa.text("SELECT id FROM outbox")).scalars())
+
+
+# -- exactly-once recovery after a failover -----------------------------------------------
+
+
+def sent_offsets(engine: sa.Engine) -> dict[uuid.UUID, tuple[int, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT id, kafka_partition, kafka_offset FROM outbox WHERE status = 'sent'")
+        )
+        return {row[0]: (row[1], row[2]) for row in rows}
+
+
+def test_exactly_once_recovery_marks_what_the_topics_hold_after_the_standby_missed_the_marks(
+    standing: LocalStack,
+    failover_url: str,
+    make_topic: Callable[..., str],
+    bootstrap_servers: str,
+) -> None:
+    """The rows reached the standby, the marks of their sends did not (it stopped streaming
+    first, as an asynchronous standby lags): after the promotion every row is pending again,
+    and a relay taking the shards over marks each one sent from its shard's progress records,
+    at the offset its record holds, instead of sending it twice (docs/relay.md,
+    "Exactly-once mode")."""
+    topic = make_topic("eos-failover", partitions=3)
+    engine = sa.create_engine(failover_url, pool_pre_ping=True)
+    prefix = f"fo-{uuid.uuid4().hex[:8]}"
+
+    def relay_on(server: PostgresServer) -> RelayConfig:
+        # The primary's own address: the relay does not take a multi-host URL (see above).
+        return relay_config(
+            server.url(sa.make_url(failover_url).database or "postgres"),
+            bootstrap_servers,
+            mode=EXACTLY_ONCE,
+            transactional_id_prefix=prefix,
+            progress_topic=f"p-{prefix}",
+            batch_size=20,  # several batches per shard, within the 32 that recovery reads back
+        )
+
+    standby = standing.standby
+    assert standby is not None
+    try:
+        ids = publish_orders(engine, topic, 300, keys=10)
+        wait_caught_up(standing.postgres, standby, ASYNCHRONOUS)
+        standby.stop()  # the standby has every row, and will have no mark
+        with running_relay(relay_on(standing.postgres)):
+            wait_for(lambda: statuses(engine) == {"sent": 300}, 60, "the relay to send")
+        sent_before = sent_offsets(engine)
+
+        standing.postgres.kill()  # with the marks
+        standby.start()  # it streams no more: its primary is gone
+        standing.promote()
+        assert statuses(engine) == {"pending": 300}, "the promotion forgot the marks"
+
+        with running_relay(relay_on(standing.postgres)):
+            wait_for(lambda: statuses(engine) == {"sent": 300}, 60, "the take-over's recovery")
+            assert sent_offsets(engine) == sent_before  # marked from the records: not sent again
+            later = publish_orders(engine, topic, 10, keys=10, start=300)
+            wait_for(lambda: statuses(engine) == {"sent": 310}, 60, "the messages after it")
+        got = consume_messages(bootstrap_servers, topic, expect=310, timeout=60, quiet=3)
+        assert sorted(str(message_id(m)) for m in got) == sorted(map(str, [*ids, *later]))
+    finally:
+        engine.dispose()
