@@ -73,11 +73,15 @@ def in_recovery(server: PostgresServer) -> bool:
 
 def build_standby(primary: PostgresServer, standby: PostgresServer, mode: str) -> None:
     """Copy ``primary`` into ``standby`` (whose folder is emptied first), start it streaming,
-    and set the primary's replication to ``mode``; returns once the standby has caught up
-    (and, synchronous, once the primary counts it as its synchronous standby)."""
+    and set the primary's replication to ``mode`` once it has caught up; returns once the
+    primary counts it as its synchronous standby (or, asynchronous, as caught up).
+
+    The primary is asynchronous while the standby is built: commits meanwhile are on one
+    server only, as they were since the promotion that left it without a standby."""
     if mode not in REPLICATION_MODES:
         raise StackError(f"replication is {' or '.join(REPLICATION_MODES)}, not {mode!r}")
     standby.password = primary.password
+    set_replication(primary, None)
     slot = _slot_name(standby.port)
     with psycopg.connect(primary.conninfo(), autocommit=True, connect_timeout=10) as conn:
         # A slot left by an earlier standby on this port would keep WAL for ever.
@@ -90,8 +94,12 @@ def build_standby(primary: PostgresServer, standby: PostgresServer, mode: str) -
     _base_backup(primary, standby)
     _write_standby_settings(primary, standby, slot)
     standby.start()
-    set_replication(primary, mode)
-    wait_caught_up(primary, standby, mode)
+    # Synchronous only once it has caught up: a standby still catching up is no synchronous
+    # standby, and every commit would wait for it until then.
+    wait_caught_up(primary, standby, ASYNCHRONOUS)
+    if mode == SYNCHRONOUS:
+        set_replication(primary, mode)
+        wait_caught_up(primary, standby, mode)
 
 
 def _slot_name(port: int) -> str:
@@ -113,9 +121,11 @@ def _base_backup(primary: PostgresServer, standby: PostgresServer) -> None:
         str(standby.data_dir),
         "--wal-method=stream",
         "--checkpoint=fast",
+        # The copy's files are not flushed to disk one by one (seconds on a busy disk): the
+        # standby lives on this machine, whose kernel keeps the writes through any kill of
+        # a server; only a crash of the machine itself could lose them.
+        "--no-sync",
     ]
-    if not primary.durable:
-        command.append("--no-sync")
     # The password in the environment, not on a command line that ps shows.
     result = run_as_postgres(command, env={**os.environ, "PGPASSWORD": primary.password})
     if result.returncode != 0:

@@ -274,6 +274,9 @@ class LocalStack:
             raise StackError("; ".join(errors))
         for server in servers:
             shutil.rmtree(server.root, ignore_errors=True)
+            # Killed primaries a chaos run kept aside for its audit (outbox.chaos.stack).
+            for kept in server.root.parent.glob(f"{server.root.name}-old-*"):
+                shutil.rmtree(kept, ignore_errors=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def database_url(self, database: str = DEMO_DATABASE) -> str:
