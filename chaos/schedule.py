@@ -165,16 +165,16 @@ PROFILES = {
         writer_processes=2,
         replication="sync",
     ),
-    # Failovers alone, a few in a minute: make test's case of each mode.
+    # Failovers alone, about three in 25 s of writing: make test's case of each mode.
     "failover": Profile(
         "failover",
-        duration=40.0,
+        duration=25.0,
         min_gap=4.0,
         max_gap=8.0,
         rate=100.0,
         writers=3,
         relays=2,
-        consumers=2,
+        consumers=1,
         writer_processes=1,
         replication="sync",
         only=REPLICATION_FAULTS,

@@ -69,6 +69,49 @@ def test_a_short_chaos_run_on_a_three_node_cluster_keeps_every_guarantee(
     assert any(line.startswith("stopping nodes ") for line in stopped), stopped
 
 
+@pytest.mark.parametrize(
+    ("mode", "replication"), [("at-least-once", "async"), ("exactly-once", "sync")]
+)
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.xdist_group("chaos")
+def test_a_short_failover_run_keeps_what_its_replication_promises(
+    mode: str, replication: str, tmp_path: Path
+) -> None:
+    """The failover profile: the primary killed with -9 and the standby promoted, again and
+    again (a new standby built after each), under writers, relays and a consumer. A
+    synchronous standby forgets nothing anyone saw; what an asynchronous one forgot is
+    counted, and each phantom is one it forgot."""
+    result, stdout = run_chaos(
+        mode, tmp_path, "--profile", "failover", "--replication", replication
+    )
+    profile = replace(PROFILES["failover"], replication=replication)
+    planned = plan(SEED, profile)
+    assert result["verdict"] == "PASS" and result["violations"] == []
+    assert result["replication"] == replication
+    assert result["faults_by_kind"] == {"db_failover": len(planned)} and len(planned) >= 2
+    assert result["missing"] == 0 and result["order_violations"] == 0
+    assert result["reconciliation"]["stuck"] == 0
+    assert result["statuses"] == {"sent": result["messages_committed"]}
+    found = result["failover"]
+    assert found["failovers"] == len(planned) == len(result["failovers"])
+    assert found["phantoms_not_forgotten"] == 0
+    assert result["phantom"] == found["reconciliation_phantoms"] == found["forgotten_on_topic"]
+    if replication == "sync":
+        assert result["phantom"] == 0 and found["confirmed_forgotten"] == 0
+        if mode == EXACTLY_ONCE:
+            assert result["duplicates"] == 0
+    for figures in result["failovers"]:
+        assert figures["relay_first_send_s"] is not None
+        assert figures["relay_first_send_s"] <= 15.0
+        assert figures["writers_failing"] > 0  # they saw the kill, and wrote again after it
+        assert figures["writers_committing_again_s"] is not None
+    consuming = result["consuming"]
+    assert consuming["caught_up"] and consuming["applied_twice"] == 0
+    assert consuming["missing"] == consuming["not_committed"] == 0  # beyond what was forgotten
+    assert "failover 1 " in stdout
+
+
 def run_chaos(mode: str, output: Path, *extra: str) -> tuple[dict[str, Any], str]:
     """Run ``outbox chaos`` (short profile, seed 7); its JSON result and its output."""
     command = [sys.executable, "-m", "outbox.cli", "chaos", "--mode", mode, *extra]
