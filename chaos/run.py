@@ -225,7 +225,7 @@ class ChaosRun:
     def _set_up(self) -> None:
         s = self.settings
         replication = self.profile.replication
-        standby = f"a {replication} standby, " if replication else ""
+        standby = f"a standby ({replication}), " if replication else ""
         self.echo(
             f"chaos run {self.run_id}: {s.mode}, seed {s.seed}, profile {self.profile.name}, "
             f"{len(self.schedule)} faults planned, {self.rate:.0f} msgs/s, "
@@ -393,8 +393,7 @@ class ChaosRun:
         elif fault.kind == POSTGRES_RESTART:
             stack.postgres.stop(mode=fault.how or "fast")
         elif fault.kind == DB_FAILOVER:
-            self.failovers.append({"killed": time.time()})
-            stack.kill_primary()
+            self.failovers.append({"killed": stack.kill_primary()})
             self.log.event(f"primary on port {stack.postgres.port} killed (-9)")
         elif fault.kind == NET_LATENCY:
             stack.proxy.set_latency(fault.latency_ms or 0)
@@ -574,11 +573,12 @@ class ChaosRun:
         self.log.event(f"consumers stopped with SIGTERM, exit codes {codes}")
         found, inbox = applied.audit_service(self.service_url, rows)
         missing, not_committed = list(found.missing), list(found.not_committed)
+        if self.forgotten is not None:
+            self.forgotten_applications = self._forgotten_applications()
         if self.forgotten is not None and self.stack.replication == ASYNCHRONOUS:
             # Counted as what the promotions forgot (the failover findings), not lost here:
             # applications of messages whose application the promotion forgot, and of
             # messages whose row it forgot (phantoms).
-            self.forgotten_applications = self._forgotten_applications()
             missing = [i for i in missing if i not in self.forgotten_applications]
             not_committed = [i for i in not_committed if i not in self.forgotten.rows]
         for what, ids in (("never applied", missing), ("applied twice", found.applied_twice)):

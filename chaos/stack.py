@@ -195,9 +195,10 @@ class ChaosStack:
     def replication(self) -> str | None:
         return self.local.replication
 
-    def kill_primary(self) -> None:
-        """``kill -9`` of every process of the primary, as when its machine dies."""
-        self.postgres.kill()
+    def kill_primary(self) -> float:
+        """``kill -9`` of every process of the primary, as when its machine dies; returns
+        the wall-clock time of the kill."""
+        return self.postgres.kill()
 
     def promote_standby(self) -> None:
         """Promote the standby, move the relays' address to it, and keep the dead primary's

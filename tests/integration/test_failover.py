@@ -9,7 +9,10 @@ URL stays the same for every test of the module.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -263,6 +266,30 @@ def test_a_checkback_runner_resolves_through_the_url_after_a_promotion(
         prepared.outbox.engine.dispose()
 
 
+@pytest.mark.parametrize("form", ["sqlalchemy", "libpq"])
+def test_the_cli_and_the_migrations_work_through_the_url_after_a_promotion(
+    standing: LocalStack, failover_url: str, make_topic: Callable[..., str], form: str
+) -> None:
+    engine = sa.create_engine(failover_url, pool_pre_ping=True)
+    name = sa.make_url(failover_url).database or "postgres"
+    url = failover_url if form == "sqlalchemy" else standing.info(name).libpq_database_url
+    assert url is not None
+    try:
+        publish_orders(engine, make_topic("cli"), 3)
+        fail_over(standing)
+        migrate.upgrade(url)  # Alembic through the URL: already at head
+        status = subprocess.run(
+            [sys.executable, "-m", "outbox.cli", "status", "--json", "--database-url", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["statuses"]["pending"]["count"] == 3
+    finally:
+        engine.dispose()
+
+
 # -- the relay --------------------------------------------------------------------------
 
 
@@ -294,7 +321,7 @@ def test_a_relay_on_the_multi_host_url_resumes_after_a_promotion(
     )
     try:
         publish_orders(engine, topic, 20)
-        wait_for(lambda: statuses(engine) == {"sent": 20}, 30, "the relay to send")
+        wait_for(lambda: statuses(engine) == {"sent": 20}, 15, "the relay to send")
         killed = fail_over(standing)
         publish_orders(engine, topic, 20, start=20)
         wait_for(lambda: statuses(engine) == {"sent": 40}, 60, "the relay after the promotion")
