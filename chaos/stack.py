@@ -37,6 +37,10 @@ from outbox.devstack.replication import promote
 from outbox.devstack.stack import LocalStack, StackInfo, stack_home
 
 DATABASE = "chaos"
+#: How far behind its primary an asynchronous standby streams (milliseconds): its WAL passes
+#: a proxy that holds it this long, as a standby far away, or a busy one, lags. A
+#: synchronous standby streams straight from the primary (every commit waits for it).
+ASYNCHRONOUS_LAG_MS = 200
 SERVICE_DATABASE = "chaos_service"  # the consuming service's
 #: How long a heal waits for Kafka nodes to serve again. A node stopped mid-stream loads every
 #: partition's log (the transaction and offset topics' too) before it serves; on a loaded
@@ -114,6 +118,12 @@ class ChaosStack:
         )
         #: The folders of the primaries killed by failovers, oldest first.
         self.old_primaries: list[Path] = []
+        #: In front of the primary for an asynchronous standby's stream (see
+        #: ASYNCHRONOUS_LAG_MS); moved to each new primary as its standby is built.
+        self.replication_proxy: FaultProxy | None = None
+        if replication == "async":
+            self.replication_proxy = FaultProxy(free_port(), 0)
+            self.local.stream_port = self._stream_through_proxy
         proxies = []
         for node in self.local.kafka_nodes():
             proxies.append(FaultProxy(free_port(), free_port()))
@@ -198,7 +208,9 @@ class ChaosStack:
     def kill_primary(self) -> float:
         """``kill -9`` of every process of the primary, as when its machine dies; returns
         the wall-clock time of the kill."""
-        return self.postgres.kill()
+        # The WAL on its way to an asynchronous standby dies with the machine.
+        lost_in_flight = self.replication_proxy.drop if self.replication_proxy else None
+        return self.postgres.kill(at_once=lost_in_flight)
 
     def promote_standby(self) -> None:
         """Promote the standby, move the relays' address to it, and keep the dead primary's
@@ -222,7 +234,17 @@ class ChaosStack:
         self.local.up_standby()
         return time.monotonic() - started
 
+    def _stream_through_proxy(self, primary: PostgresServer) -> int:
+        assert self.replication_proxy is not None
+        self.replication_proxy.retarget(primary.port)
+        self.replication_proxy.heal()
+        self.replication_proxy.set_latency(ASYNCHRONOUS_LAG_MS)
+        return self.replication_proxy.listen_port
+
     def up(self) -> StackInfo:
+        if self.replication_proxy is not None:
+            self.replication_proxy.start()
+            self.replication_proxy.set_latency(ASYNCHRONOUS_LAG_MS)
         self.proxy.start()
         self.info = self.local.up(database=DATABASE)
         self.database_proxy = FaultProxy(free_port(), self.postgres.port)
@@ -231,6 +253,8 @@ class ChaosStack:
 
     def down(self, keep_files: bool = False) -> None:
         self.proxy.close()
+        if self.replication_proxy is not None:
+            self.replication_proxy.close()
         if self.database_proxy is not None:
             self.database_proxy.close()
         if not keep_files:

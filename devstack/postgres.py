@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,12 +203,15 @@ class PostgresServer:
             pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
             terminate(pid)
 
-    def kill(self) -> float:
+    def kill(self, at_once: Callable[[], None] | None = None) -> float:
         """``kill -9`` of the postmaster and every backend at once, as when the server's
         machine dies: nothing is flushed or shut down, and clients see their connections
-        reset. Returns the wall-clock time of the kill (finding the processes takes a while
-        on a busy machine; the kill itself does not)."""
+        reset. ``at_once`` is called just before the signals go (what else the machine's death
+        takes with it). Returns the wall-clock time of the kill (finding the processes takes
+        a while on a busy machine; the kill itself does not)."""
         found = _processes_in(self.data_dir)
+        if at_once is not None:
+            at_once()
         killed, deadline = time.time(), time.monotonic() + 30
         while found:
             if time.monotonic() > deadline:

@@ -71,13 +71,19 @@ def in_recovery(server: PostgresServer) -> bool:
     return bool(row and row[0])
 
 
-def build_standby(primary: PostgresServer, standby: PostgresServer, mode: str) -> None:
+def build_standby(
+    primary: PostgresServer, standby: PostgresServer, mode: str, stream_port: int | None = None
+) -> None:
     """Copy ``primary`` into ``standby`` (whose folder is emptied first), start it streaming,
     and set the primary's replication to ``mode`` once it has caught up; returns once the
     primary counts it as its synchronous standby (or, asynchronous, as caught up).
 
     The primary is asynchronous while the standby is built: commits meanwhile are on one
-    server only, as they were since the promotion that left it without a standby."""
+    server only, as they were since the promotion that left it without a standby.
+
+    ``stream_port``: where the standby streams the WAL from (a proxy in front of the primary,
+    say); the primary's own port by default. The copy itself comes straight from the
+    primary."""
     if mode not in REPLICATION_MODES:
         raise StackError(f"replication is {' or '.join(REPLICATION_MODES)}, not {mode!r}")
     standby.password = primary.password
@@ -92,7 +98,7 @@ def build_standby(primary: PostgresServer, standby: PostgresServer, mode: str) -
         )
         conn.execute("SELECT pg_create_physical_replication_slot(%s, true)", (slot,))
     _base_backup(primary, standby)
-    _write_standby_settings(primary, standby, slot)
+    _write_standby_settings(stream_port or primary.port, primary.password, standby, slot)
     standby.start()
     # Synchronous only once it has caught up: a standby still catching up is no synchronous
     # standby, and every commit would wait for it until then.
@@ -132,12 +138,12 @@ def _base_backup(primary: PostgresServer, standby: PostgresServer) -> None:
         raise StackError(f"pg_basebackup failed: {result.stdout}{result.stderr}")
 
 
-def _write_standby_settings(primary: PostgresServer, standby: PostgresServer, slot: str) -> None:
+def _write_standby_settings(port: int, password: str, standby: PostgresServer, slot: str) -> None:
     """``standby.signal`` and where to stream from; the primary's own settings (copied with
-    its data) otherwise hold, and its lock file and log are not the standby's."""
+    its data) otherwise hold."""
     (standby.data_dir / "standby.signal").write_text("")
     conninfo = (
-        f"host=127.0.0.1 port={primary.port} user={SUPERUSER} password={primary.password} "
+        f"host=127.0.0.1 port={port} user={SUPERUSER} password={password} "
         f"application_name={STANDBY_NAME}"
     )
     with (standby.data_dir / "postgresql.auto.conf").open("a") as conf:

@@ -131,6 +131,8 @@ class LocalStack:
             raise StackError(f"a standby is {' or '.join(REPLICATION_MODES)}, not {standby!r}")
         #: ``sync``, ``async``, or None: no standby.
         self.replication: str | None = standby or standby_state.get("replication")
+        #: Given the primary, the port its standby streams from (default: the primary's).
+        self.stream_port: Callable[[PostgresServer], int] | None = None
         self.standby: PostgresServer | None = None
         if self.replication:
             self.standby = PostgresServer(
@@ -205,7 +207,8 @@ class LocalStack:
             if (standby.data_dir / "standby.signal").exists():
                 standby.start()  # it streams on from where it stopped (its slot kept the WAL)
             else:
-                build_standby(self.postgres, standby, self.replication)
+                route = self.stream_port(self.postgres) if self.stream_port else None
+                build_standby(self.postgres, standby, self.replication, stream_port=route)
         elif not in_recovery(standby):
             raise StackError(
                 f"the standby on port {standby.port} is a primary itself: "
