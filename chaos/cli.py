@@ -260,8 +260,10 @@ def _print_report(body: dict[str, object]) -> None:
             f"forgotten by the promotions: rows {found['forgotten_rows']} (on a topic: "
             f"{found['forgotten_on_topic']}, the reconciliation's phantoms "
             f"{found['reconciliation_phantoms']}), marks {found['forgotten_sends']} (sent "
-            f"again), applications {found['forgotten_applications']}; confirmed commits "
-            f"forgotten {found['confirmed_forgotten']}"
+            f"again; {found['made_pending_again']} made pending again, excusing "
+            f"{found['order_excused']} order violations), applications "
+            f"{found['forgotten_applications']}; confirmed commits forgotten "
+            f"{found['confirmed_forgotten']}"
         )
         for number, figures in enumerate(failovers, 1):
             lines.append(

@@ -195,6 +195,8 @@ class ChaosRun:
         self.forgotten: forgotten.Forgotten | None = None
         self.old_holdings: list[forgotten.Holdings] = []
         self.forgotten_applications: frozenset[uuid.UUID] = frozenset()
+        #: Order violations excused as made pending again after a promotion (topics, applied).
+        self.reordered = 0
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -482,6 +484,7 @@ class ChaosRun:
             rows = audit.row_facts(engine, TOPICS)
             unordered: list[str] = []  # inversions of overlapping transactions (allowed)
             order = audit.order_violations(records, rows, unordered)
+            order, self.reordered = self._excuse_made_pending_again(order)
             tallies = self._tallies()
             rolled_back = [i for t in tallies for i in t.rolled_back]
             committed = [i for t in tallies for i in t.committed]
@@ -519,6 +522,10 @@ class ChaosRun:
             self.echo(f"  order: {line}")
         consuming, consuming_extra = self._audit_consuming(records, rows)
         findings = replace(findings, consuming=consuming)
+        if findings.failover is not None:  # the applied side's excused violations too
+            findings = replace(
+                findings, failover=replace(findings.failover, order_excused=self.reordered)
+            )
         extra = {
             "committed": len(rows),  # the table is the truth: confirmed + uncertain that made it
             "outbox_rows": summary.outbox_rows,
@@ -584,7 +591,9 @@ class ChaosRun:
         for what, ids in (("never applied", missing), ("applied twice", found.applied_twice)):
             if ids:
                 self.echo(f"  {what}: {len(ids)}, e.g. {', '.join(map(str, ids[:5]))}")
-        for line in found.order[:20]:
+        applied_order, reordered = self._excuse_made_pending_again(found.order)
+        self.reordered += reordered
+        for line in applied_order[:20]:
             self.echo(f"  applied order: {line}")
         fleet = self.consumers
         findings = ConsumingFindings(
@@ -593,7 +602,7 @@ class ChaosRun:
             missing=len(missing),
             applied_twice=len(found.applied_twice),
             not_committed=len(not_committed),
-            order_violations=len(found.order),
+            order_violations=len(applied_order),
             parked=inbox["parked"],
             caught_up=not behind,
             consumer_crashes=len(fleet.crashes),
@@ -624,6 +633,17 @@ class ChaosRun:
             )
         last = forgotten.read(self.stack.conninfo(), DATABASE, None)
         self.forgotten = forgotten.compare(self.old_holdings, last)
+
+    def _excuse_made_pending_again(self, lines: list[str]) -> tuple[list[str], int]:
+        """Order violations that name a message a promotion made the relay make pending
+        again (:mod:`outbox.chaos.forgotten`): its first copy came from the forgotten history,
+        its seq from the new one. Returns the other violations, and how many were excused."""
+        again = self.forgotten.made_pending_again if self.forgotten else frozenset()
+        if not again:
+            return lines, 0
+        named = [str(message_id) for message_id in again]
+        kept = [line for line in lines if not any(text in line for text in named)]
+        return kept, len(lines) - len(kept)
 
     def _forgotten_applications(self) -> frozenset[uuid.UUID]:
         """Applications a killed primary held that the last one does not (the consumers
@@ -661,6 +681,8 @@ class ChaosRun:
             phantoms_not_forgotten=len(phantoms - gone.rows),
             reconciliation_phantoms=per_class.get("phantom", 0),
             duplicates_not_forgotten=len(twice - gone.sends),
+            made_pending_again=len(gone.made_pending_again),
+            order_excused=self.reordered,
             relay_resumed_s=tuple(
                 figures["relay_first_send_s"] for figures in self._failover_figures(records)
             ),

@@ -69,6 +69,11 @@ class FailoverFindings:
     phantoms_not_forgotten: int = 0  # records without a row that no killed primary held
     reconciliation_phantoms: int = 0  # the job's phantom count: must be forgotten_on_topic
     duplicates_not_forgotten: int = 0  # exactly-once copies that no forgotten mark explains
+    #: Forgotten sends of due scheduled messages that the relay made pending again (a new
+    #: seq), and the per-key order violations (topics and applied) that name one of them:
+    #: their first copy came from the forgotten history, their seq from the new one.
+    made_pending_again: int = 0
+    order_excused: int = 0
     #: Per failover, seconds from the kill to the first record a relay sent afterwards.
     relay_resumed_s: tuple[float | None, ...] = ()
 

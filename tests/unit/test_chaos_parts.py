@@ -820,3 +820,22 @@ def test_a_synchronous_promotion_may_forget_nothing_anyone_saw() -> None:
     assert any("a synchronous promotion forgot" in line for line in seen.violations())
     duplicated = replace(clean, reconciliation={d.DUPLICATE: 1})
     assert "1 duplicates in exactly-once mode" in duplicated.violations()
+
+
+def test_a_send_forgotten_with_its_making_pending_is_told_apart_by_its_new_seq() -> None:
+    marked_again, made_pending_again = uuid.uuid4(), uuid.uuid4()
+    old = Holdings(
+        {marked_again, made_pending_again},
+        {marked_again: (0, 1), made_pending_again: (0, 2)},
+        set(),
+        {marked_again: 10, made_pending_again: 11},
+    )
+    last = Holdings(
+        {marked_again, made_pending_again},
+        {marked_again: (0, 5), made_pending_again: (0, 6)},
+        set(),
+        {marked_again: 10, made_pending_again: 40},  # made pending again: a new seq
+    )
+    found = compare([old], last)
+    assert found.sends == {marked_again, made_pending_again}
+    assert found.made_pending_again == {made_pending_again}
