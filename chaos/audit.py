@@ -30,6 +30,8 @@ class TopicRecord:
     partition: int
     offset: int
     key: bytes | None
+    #: The producer's time (milliseconds since the epoch): when the record was sent.
+    timestamp_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,12 @@ def _record(message) -> TopicRecord:  # type: ignore[no-untyped-def]
     except ValueError:
         message_id = None
     return TopicRecord(
-        message_id, message.topic(), message.partition(), message.offset(), message.key()
+        message_id,
+        message.topic(),
+        message.partition(),
+        message.offset(),
+        message.key(),
+        int(message.timestamp()[1]),
     )
 
 

@@ -61,7 +61,8 @@ SEED = _Seed()
     type=click.Choice(sorted(PROFILES)),
     default="short",
     show_default=True,
-    help="short: about 3 minutes in all; long: 20 minutes of faults.",
+    help="short: about 3 minutes in all; long: 20 minutes of faults (with a synchronous "
+    "standby and failovers); failover: failovers alone, about 2 minutes.",
 )
 @click.option(
     "--duration",
@@ -108,6 +109,14 @@ SEED = _Seed()
     "(An odd count, so that one node down keeps the controllers' majority.)",
 )
 @click.option(
+    "--replication",
+    type=click.Choice(["sync", "async", "none"]),
+    default=None,
+    help="PostgreSQL's streaming standby, and with it the db_failover fault (the primary "
+    "killed with -9, the standby promoted, a new standby built): synchronous or asynchronous "
+    "replication, or none. Default: the profile's (long and failover: sync; short: none).",
+)
+@click.option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -127,6 +136,7 @@ def chaos(
     database_faults: bool,
     overlapping_faults: bool,
     brokers: str,
+    replication: str | None,
     output: Path | None,
     keep_data: bool,
     plan_only: bool,
@@ -158,6 +168,8 @@ def chaos(
         overlapping_faults=overlapping_faults,
         brokers=int(brokers),
     )
+    if replication is not None:
+        chosen = replace(chosen, replication=None if replication == "none" else replication)
     if plan_only:
         for fault in plan(seed, chosen, duration):
             click.echo(json.dumps(fault.to_json()))
@@ -240,6 +252,27 @@ def _print_report(body: dict[str, object]) -> None:
                     f"never closed {f['never_closed']}"
                 )
             lines.append(f"shards ownerless   after {kind}: " + "; ".join(parts))
+    failovers = body.get("failovers")
+    found = body.get("failover")
+    if isinstance(failovers, list) and isinstance(found, dict):
+        lines.append(
+            f"failovers          {found['failovers']} ({found['replication']} standby); "
+            f"forgotten by the promotions: rows {found['forgotten_rows']} (on a topic: "
+            f"{found['forgotten_on_topic']}, the reconciliation's phantoms "
+            f"{found['reconciliation_phantoms']}), marks {found['forgotten_sends']} (sent "
+            f"again; {found['made_pending_again']} made pending again, excusing "
+            f"{found['order_excused']} order violations), applications "
+            f"{found['forgotten_applications']}; confirmed commits forgotten "
+            f"{found['confirmed_forgotten']}"
+        )
+        for number, figures in enumerate(failovers, 1):
+            lines.append(
+                f"failover {number}         promoted after {figures['promoted_s']} s; first "
+                f"relay send {figures['relay_first_send_s']} s after the kill; writer threads "
+                f"failing {figures['writers_failing']} ({figures['writer_errors']} errors), "
+                f"all committing again after {figures['writers_committing_again_s']} s; new "
+                f"standby after {figures['standby_rebuilt_s']} s"
+            )
     lines += [f"VIOLATION: {v}" for v in body["violations"]]  # type: ignore[attr-defined]
     lines.append(f"verdict            {body['verdict']}")
     for line in lines:

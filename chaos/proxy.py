@@ -69,6 +69,13 @@ class FaultProxy:
         self._call(self._set(refusing=True))
         self._call(self._reset_all())
 
+    def retarget(self, upstream_port: int) -> None:
+        """Forward new connections to ``upstream_port`` and reset the open ones, as a
+        virtual IP (or a proxy that checks which server is the primary) moves to a promoted
+        standby."""
+        self.upstream_port = upstream_port
+        self._call(self._reset_all())
+
     def heal(self) -> None:
         """Back to a plain pipe."""
         self._call(self._set(latency=0.0, flowing=True, refusing=False))

@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,7 +30,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox import migrate
-from outbox.chaos import applied, audit
+from outbox.chaos import applied, audit, forgotten
 from outbox.chaos.brokers import broker_target, stop_nodes
 from outbox.chaos.consumers import ConsumerFleet, wait_caught_up
 from outbox.chaos.fleet import ProcessFleet
@@ -42,6 +42,7 @@ from outbox.chaos.schedule import (
     CONSUMER_KILL,
     CONSUMER_TERM,
     DB_DROP,
+    DB_FAILOVER,
     DB_LATENCY,
     DB_STALL,
     NET_DROP,
@@ -57,8 +58,8 @@ from outbox.chaos.schedule import (
     plan,
 )
 from outbox.chaos.service import prepare_database
-from outbox.chaos.stack import DATABASE, ChaosStack
-from outbox.chaos.verdict import ConsumingFindings, Findings
+from outbox.chaos.stack import DATABASE, SERVICE_DATABASE, ChaosStack
+from outbox.chaos.verdict import ASYNCHRONOUS, ConsumingFindings, FailoverFindings, Findings
 from outbox.chaos.visibility import RECORD_MADE_PENDING
 from outbox.chaos.writer_fleet import WriterFleet
 from outbox.chaos.writers import CREATE_BUSINESS_TABLE, PARTITIONS, TOPICS, Tally, Writer
@@ -101,6 +102,7 @@ class ChaosResult:
             "seed": self.settings.seed,
             "profile": self.settings.profile.name,
             "brokers": self.settings.profile.brokers,
+            "replication": self.settings.profile.replication,
             "duration_s": round(self.seconds, 1),
             "faults_injected": len(self.faults),
             "faults_by_kind": dict(Counter(fault["kind"] for fault in self.faults)),
@@ -116,6 +118,8 @@ class ChaosResult:
         }
         if f.consuming is not None:
             body["consuming"] = {**asdict(f.consuming), **self.extra.get("consuming", {})}
+        if f.failover is not None:
+            body["failover"] = asdict(f.failover)
         return body
 
 
@@ -169,7 +173,13 @@ class ChaosRun:
         self.run_id = f"{settings.mode[:3]}-{settings.seed}-{uuid.uuid4().hex[:6]}"
         settings.output.mkdir(parents=True, exist_ok=True)
         self.profile = settings.profile
-        self.stack = ChaosStack(f"chaos-{os.getpid()}-{self.run_id}", brokers=self.profile.brokers)
+        self.stack = ChaosStack(
+            f"chaos-{os.getpid()}-{self.run_id}",
+            brokers=self.profile.brokers,
+            replication=self.profile.replication,
+        )
+        #: Each failover's times: the kill, the promotion, the new standby (wall clock).
+        self.failovers: list[dict[str, float]] = []
         self.rate = settings.rate or self.profile.rate
         self.schedule = plan(settings.seed, self.profile, settings.duration)
         clear_earlier_run(settings.output)
@@ -181,6 +191,12 @@ class ChaosRun:
         self.writer_fleet: WriterFleet | None = None
         self.writer_fleet_stopped = False
         self.shard_watch: ShardWatch | None = None
+        #: What the promotions forgot (None until the audit, or without failovers).
+        self.forgotten: forgotten.Forgotten | None = None
+        self.old_holdings: list[forgotten.Holdings] = []
+        self.forgotten_applications: frozenset[uuid.UUID] = frozenset()
+        #: Order violations excused as made pending again after a promotion (topics, applied).
+        self.reordered = 0
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -210,10 +226,14 @@ class ChaosRun:
 
     def _set_up(self) -> None:
         s = self.settings
+        replication = self.profile.replication
+        standby = f"a standby ({replication}), " if replication else ""
         self.echo(
             f"chaos run {self.run_id}: {s.mode}, seed {s.seed}, profile {self.profile.name}, "
             f"{len(self.schedule)} faults planned, {self.rate:.0f} msgs/s, "
-            f"{self.profile.brokers} Kafka node(s), {self.profile.relays} relays, "
+            f"{self.profile.brokers} Kafka node(s), "
+            f"{standby}"
+            f"{self.profile.relays} relays, "
             f"{self.profile.consumers} consumers, "
             f"{self.profile.writers} writer threads and {self.profile.writer_processes} "
             "writer processes, "
@@ -250,7 +270,7 @@ class ChaosRun:
         self.log.event("servers up; relays, consumers and writers starting")
         for fleet in self._fleets():
             fleet.start_all()
-        self.shard_watch = ShardWatch(self.stack.postgres.conninfo(DATABASE), self.log.elapsed)
+        self.shard_watch = ShardWatch(self.stack.conninfo(DATABASE), self.log.elapsed)
         self.shard_watch.start()
         per_writer = self.rate / (self.profile.writers + self.profile.writer_processes)
         self.writers = [
@@ -374,6 +394,9 @@ class ChaosRun:
             stop_nodes(hit.nodes, fault.how or "term")
         elif fault.kind == POSTGRES_RESTART:
             stack.postgres.stop(mode=fault.how or "fast")
+        elif fault.kind == DB_FAILOVER:
+            self.failovers.append({"killed": stack.kill_primary()})
+            self.log.event(f"primary on port {stack.postgres.port} killed (-9)")
         elif fault.kind == NET_LATENCY:
             stack.proxy.set_latency(fault.latency_ms or 0)
         elif fault.kind == NET_DROP:
@@ -403,6 +426,15 @@ class ChaosRun:
         if fault.kind == POSTGRES_RESTART:
             stack.postgres.start()
             return "PostgreSQL up again"
+        if fault.kind == DB_FAILOVER:
+            stack.promote_standby()
+            self.failovers[-1]["promoted"] = time.time()
+            self.log.event(
+                f"standby on port {stack.postgres.port} promoted; the relays' address moved to it"
+            )
+            took = stack.rebuild_standby()
+            self.failovers[-1]["rebuilt"] = time.time()
+            return f"a new {stack.replication} standby caught up, {took:.1f} s to build"
         if fault.kind in (DB_LATENCY, DB_DROP, DB_STALL):
             assert stack.database_proxy is not None
             stack.database_proxy.heal()
@@ -437,6 +469,7 @@ class ChaosRun:
         from outbox.chaos.reconciliation import reconcile_run
 
         self.echo("auditing: reconciliation job (Spark), topics read back, tables, consumers")
+        self._read_old_primaries()
         summary = reconcile_run(
             self.stack.database_url,
             self.stack.direct_bootstrap,
@@ -451,22 +484,27 @@ class ChaosRun:
             rows = audit.row_facts(engine, TOPICS)
             unordered: list[str] = []  # inversions of overlapping transactions (allowed)
             order = audit.order_violations(records, rows, unordered)
+            order, self.reordered = self._excuse_made_pending_again(order)
             tallies = self._tallies()
             rolled_back = [i for t in tallies for i in t.rolled_back]
             committed = [i for t in tallies for i in t.committed]
             uncertain = [i for t in tallies for i in t.uncertain]
             on_topic = {r.message_id for r in records}
             uncertain_present = audit.present_ids(engine, uncertain)
+            lost = self._lost(committed, rows)
+            # A row a promotion forgot did commit (on the old primary): not a rollback.
+            forgotten_rows = self.forgotten.rows if self.forgotten else frozenset()
             # An uncertain commit that did not happen (a writer killed before or during its
             # COMMIT) must be as absent from the topics as a rollback.
             never_committed = set(rolled_back) | (set(uncertain) - set(uncertain_present))
+            never_committed -= forgotten_rows
             findings = Findings(
                 mode=self.settings.mode,
                 reconciliation=summary.per_class(),
                 order_violations=len(order),
                 rolled_back_in_table=len(audit.present_ids(engine, rolled_back)),
                 rolled_back_on_topic=len(on_topic & never_committed),
-                lost_commits=len(set(committed) - set(rows)),
+                lost_commits=len(lost - forgotten_rows),
                 atomicity_breaks=audit.atomicity_breaks(engine, TOPICS),
                 relay_crashes=len(self.fleet.crashes) if self.fleet else 0,
                 unclean_stops=sum(1 for c in self.fleet.term_exits if c) if self.fleet else 0,
@@ -475,6 +513,7 @@ class ChaosRun:
                     f"writer process {index} exited by itself with code {code}"
                     for index, code in (self.writer_fleet.crashes if self.writer_fleet else [])
                 ],
+                failover=self._failover_findings(summary.per_class(), records, rows, lost),
             )
             statuses = audit.status_counts(engine)
         finally:
@@ -483,6 +522,10 @@ class ChaosRun:
             self.echo(f"  order: {line}")
         consuming, consuming_extra = self._audit_consuming(records, rows)
         findings = replace(findings, consuming=consuming)
+        if findings.failover is not None:  # the applied side's excused violations too
+            findings = replace(
+                findings, failover=replace(findings.failover, order_excused=self.reordered)
+            )
         extra = {
             "committed": len(rows),  # the table is the truth: confirmed + uncertain that made it
             "outbox_rows": summary.outbox_rows,
@@ -506,6 +549,8 @@ class ChaosRun:
         }
         if consuming_extra:
             extra["consuming"] = consuming_extra
+        if self.failovers:
+            extra["failovers"] = self._failover_figures(records)
         if self.shard_watch is not None:
             with (self.settings.output / "handover.jsonl").open("w") as out:
                 for gap in gap_lines(self.shard_watch, self.log.faults):
@@ -534,19 +579,30 @@ class ChaosRun:
         codes = self.consumers.stop_all()
         self.log.event(f"consumers stopped with SIGTERM, exit codes {codes}")
         found, inbox = applied.audit_service(self.service_url, rows)
-        for what, ids in (("never applied", found.missing), ("applied twice", found.applied_twice)):
+        missing, not_committed = list(found.missing), list(found.not_committed)
+        if self.forgotten is not None:
+            self.forgotten_applications = self._forgotten_applications()
+        if self.forgotten is not None and self.stack.replication == ASYNCHRONOUS:
+            # Counted as what the promotions forgot (the failover findings), not lost here:
+            # applications of messages whose application the promotion forgot, and of
+            # messages whose row it forgot (phantoms).
+            missing = [i for i in missing if i not in self.forgotten_applications]
+            not_committed = [i for i in not_committed if i not in self.forgotten.rows]
+        for what, ids in (("never applied", missing), ("applied twice", found.applied_twice)):
             if ids:
                 self.echo(f"  {what}: {len(ids)}, e.g. {', '.join(map(str, ids[:5]))}")
-        for line in found.order[:20]:
+        applied_order, reordered = self._excuse_made_pending_again(found.order)
+        self.reordered += reordered
+        for line in applied_order[:20]:
             self.echo(f"  applied order: {line}")
         fleet = self.consumers
         findings = ConsumingFindings(
             consumers=fleet.count,
             applied=found.applied,
-            missing=len(found.missing),
+            missing=len(missing),
             applied_twice=len(found.applied_twice),
-            not_committed=len(found.not_committed),
-            order_violations=len(found.order),
+            not_committed=len(not_committed),
+            order_violations=len(applied_order),
             parked=inbox["parked"],
             caught_up=not behind,
             consumer_crashes=len(fleet.crashes),
@@ -560,6 +616,107 @@ class ChaosRun:
             "term_exit_codes": fleet.term_exits,
         }
         return findings, figures
+
+    # -- what the failovers forgot -------------------------------------------------------
+
+    def _read_old_primaries(self) -> None:
+        """Read every killed primary back (its folder was kept), and the last primary's
+        rows and sends, before anything else looks at them."""
+        self.forgotten = None
+        self.old_holdings = []
+        if not self.stack.old_primaries:
+            return
+        service = SERVICE_DATABASE if self.consumers is not None else None
+        for folder in self.stack.old_primaries:
+            self.old_holdings.append(
+                forgotten.read_old_primary(folder, self.stack.postgres.password, DATABASE, service)
+            )
+        last = forgotten.read(self.stack.conninfo(), DATABASE, None)
+        self.forgotten = forgotten.compare(self.old_holdings, last)
+
+    def _excuse_made_pending_again(self, lines: list[str]) -> tuple[list[str], int]:
+        """Order violations that name a message a promotion made the relay make pending
+        again (:mod:`outbox.chaos.forgotten`): its first copy came from the forgotten history,
+        its seq from the new one. Returns the other violations, and how many were excused."""
+        again = self.forgotten.made_pending_again if self.forgotten else frozenset()
+        if not again:
+            return lines, 0
+        named = [str(message_id) for message_id in again]
+        kept = [line for line in lines if not any(text in line for text in named)]
+        return kept, len(lines) - len(kept)
+
+    def _forgotten_applications(self) -> frozenset[uuid.UUID]:
+        """Applications a killed primary held that the last one does not (the consumers
+        have stopped)."""
+        last = forgotten.read(self.stack.conninfo(), DATABASE, SERVICE_DATABASE)
+        return forgotten.compare(self.old_holdings, last).applications
+
+    def _lost(self, committed: list[uuid.UUID], rows: Mapping[uuid.UUID, object]) -> set[uuid.UUID]:
+        """Commits a writer saw confirmed that the table does not hold."""
+        return set(committed) - set(rows)
+
+    def _failover_findings(
+        self,
+        per_class: Mapping[str, int],
+        records: list[audit.TopicRecord],
+        rows: Mapping[uuid.UUID, audit.RowFacts],
+        lost: set[uuid.UUID],
+    ) -> FailoverFindings | None:
+        replication = self.stack.replication
+        if replication is None:
+            return None
+        gone = self.forgotten or forgotten.Forgotten()
+        on_topic = {r.message_id for r in records if r.message_id is not None}
+        phantoms = on_topic - set(rows)
+        copies = Counter(r.message_id for r in records if r.message_id in rows)
+        twice = {message_id for message_id, count in copies.items() if count > 1}
+        return FailoverFindings(
+            replication=replication,
+            failovers=len(self.failovers),
+            forgotten_rows=len(gone.rows),
+            forgotten_on_topic=len(gone.rows & on_topic),
+            forgotten_sends=len(gone.sends),
+            forgotten_applications=len(self.forgotten_applications),
+            confirmed_forgotten=len(lost & gone.rows),
+            phantoms_not_forgotten=len(phantoms - gone.rows),
+            reconciliation_phantoms=per_class.get("phantom", 0),
+            duplicates_not_forgotten=len(twice - gone.sends),
+            made_pending_again=len(gone.made_pending_again),
+            order_excused=self.reordered,
+            relay_resumed_s=tuple(
+                figures["relay_first_send_s"] for figures in self._failover_figures(records)
+            ),
+        )
+
+    def _failover_figures(self, records: list[audit.TopicRecord]) -> list[dict[str, Any]]:
+        """Per failover: seconds from the kill to the promotion, to the new standby, to the
+        first record a relay sent from the new primary; and what the writer threads saw."""
+        immediate = self.writer_fleet.sent_immediately() if self.writer_fleet else set()
+        by_relays = sorted(r.timestamp_ms for r in records if r.message_id not in immediate)
+        outages = [outage for writer in self.writers for outage in writer.tally.outages]
+        figures = []
+        kills = [failover["killed"] for failover in self.failovers]
+        for failover, next_kill in zip(self.failovers, [*kills[1:], float("inf")], strict=True):
+            killed = failover["killed"]
+            promoted_ms = failover.get("promoted", killed) * 1000
+            first = next((ms for ms in by_relays if ms >= promoted_ms), None)
+            # Stretches of errors that began at this kill (a writer may have been in one
+            # second before it), and before the next.
+            seen = [o for o in outages if killed - 1.0 <= o[0] < next_kill - 1.0]
+            back = [o[1] - killed for o in seen if o[1] is not None]
+            figures.append(
+                {
+                    "promoted_s": round(failover.get("promoted", killed) - killed, 2),
+                    "standby_rebuilt_s": round(failover.get("rebuilt", killed) - killed, 1),
+                    "relay_first_send_s": None
+                    if first is None
+                    else round(first / 1000 - killed, 2),
+                    "writer_errors": sum(o[2] for o in seen),
+                    "writers_failing": len(seen),
+                    "writers_committing_again_s": round(max(back), 2) if back else None,
+                }
+            )
+        return figures
 
     def _tear_down(self) -> None:
         if self.shard_watch is not None:

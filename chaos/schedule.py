@@ -32,6 +32,10 @@ WRITER_KILL = "writer_kill"  # kill -9 one writer process (often mid-transaction
 DB_LATENCY = "db_latency"  # traffic delayed by ``latency_ms`` per chunk
 DB_DROP = "db_drop"  # every connection reset (a commit in flight may or may not land)
 DB_STALL = "db_stall"  # connections stay open but no byte moves for the hold
+# PostgreSQL fails over: the primary killed with -9, the standby promoted after the hold (the
+# time a failover manager takes to decide), the relays' address moved to it, and a new
+# standby built from it, so that the next failover has one to promote.
+DB_FAILOVER = "db_failover"
 
 #: Faults of the publishing side, played in every run.
 PUBLISHING_FAULTS = (
@@ -49,6 +53,8 @@ CONSUMING_FAULTS = (CONSUMER_KILL, CONSUMER_TERM)
 WRITING_FAULTS = (WRITER_KILL,)
 #: Faults of the relays' path to PostgreSQL, played when the profile asks for them.
 DATABASE_PATH_FAULTS = (DB_LATENCY, DB_DROP, DB_STALL)
+#: Faults of a database with a standby, played when the profile has one.
+REPLICATION_FAULTS = (DB_FAILOVER,)
 #: Faults only a cluster of three nodes or more has.
 CLUSTER_FAULTS = (BROKERS_DOWN,)
 #: The roles a cluster's ``broker_restart`` picks its node by.
@@ -64,6 +70,7 @@ FAULT_KINDS = (
     + WRITING_FAULTS
     + DATABASE_PATH_FAULTS
     + CLUSTER_FAULTS
+    + REPLICATION_FAULTS
     + OVERLAPPING_FAULTS
 )
 #: The first fault of an overlap: one that holds a while, the second landing inside it.
@@ -99,6 +106,7 @@ HOLDS: dict[str, tuple[float, float]] = {
     DB_LATENCY: (4.0, 12.0),
     DB_DROP: (1.0, 5.0),
     DB_STALL: (3.0, 15.0),
+    DB_FAILOVER: (0.0, 3.0),
 }
 
 
@@ -123,13 +131,22 @@ class Profile:
     overlapping_faults: bool = True
     #: Kafka nodes: 1, or a cluster (replication factor and ``min.insync.replicas`` follow).
     brokers: int = 1
+    #: PostgreSQL's standby: ``sync``, ``async``, or None (no standby, no failovers).
+    replication: str | None = None
+    #: Play only these kinds (and only those of them the profile has), not all.
+    only: tuple[str, ...] = ()
 
     @property
     def fault_kinds(self) -> tuple[str, ...]:
+        kinds = self._all_kinds()
+        return tuple(kind for kind in kinds if kind in self.only) if self.only else kinds
+
+    def _all_kinds(self) -> tuple[str, ...]:
         kinds = PUBLISHING_FAULTS + (CONSUMING_FAULTS if self.consumers else ())
         kinds += WRITING_FAULTS if self.writer_processes else ()
         kinds += DATABASE_PATH_FAULTS if self.database_path_faults else ()
         kinds += CLUSTER_FAULTS if self.brokers >= 3 else ()
+        kinds += REPLICATION_FAULTS if self.replication else ()
         return kinds + (OVERLAPPING_FAULTS if self.overlapping_faults else ())
 
 
@@ -137,8 +154,30 @@ PROFILES = {
     "short": Profile(
         "short", duration=75.0, min_gap=2.0, max_gap=5.0, rate=150.0, writer_processes=2
     ),
+    # With a synchronous standby: the first round has a failover, and later ones come at
+    # random like every other kind.
     "long": Profile(
-        "long", duration=1200.0, min_gap=3.0, max_gap=20.0, rate=300.0, writer_processes=2
+        "long",
+        duration=1200.0,
+        min_gap=3.0,
+        max_gap=20.0,
+        rate=300.0,
+        writer_processes=2,
+        replication="sync",
+    ),
+    # Failovers alone, about three in 25 s of writing: make test's case of each mode.
+    "failover": Profile(
+        "failover",
+        duration=25.0,
+        min_gap=4.0,
+        max_gap=8.0,
+        rate=100.0,
+        writers=3,
+        relays=2,
+        consumers=1,
+        writer_processes=1,
+        replication="sync",
+        only=REPLICATION_FAULTS,
     ),
 }
 
@@ -210,8 +249,10 @@ def plan(seed: int, profile: Profile, duration: float | None = None) -> list[Fau
     rng = random.Random(seed)
     end = profile.duration if duration is None else duration
     kinds = profile.fault_kinds
+    if not kinds:
+        return []
     first_round = list(kinds)
-    if profile.brokers > 1:  # a broker restart in each role
+    if profile.brokers > 1 and BROKER_RESTART in kinds:  # a broker restart in each role
         first_round += [BROKER_RESTART] * (len(BROKER_ROLES) - 1)
     rng.shuffle(first_round)
     roles = list(BROKER_ROLES)

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from outbox.relay.config import EXACTLY_ONCE
 from outbox.spark_jobs import discrepancies as d
 
+#: The longest a relay may take from a primary's kill to its first message sent from the
+#: promoted standby.
+RELAY_RESUME_LIMIT = 15.0
+ASYNCHRONOUS = "async"
+
 #: Classes that are a violation in both modes (``duplicate`` only in exactly-once mode;
 #: ``late`` is expected while faults hold deliveries back).
 ALWAYS_ZERO = (d.PHANTOM, d.PAYLOAD_MISMATCH, d.MISROUTED, d.OFFSET_MISMATCH)
@@ -44,6 +49,68 @@ class ConsumingFindings:
 
 
 @dataclass(frozen=True)
+class FailoverFindings:
+    """What the failovers of a run did, and what their promotions forgot
+    (:mod:`outbox.chaos.forgotten`).
+
+    Synchronous replication must forget nothing anyone saw: the usual verdict holds, and no
+    forgotten row may be on a topic. Asynchronous replication forgets the lag: its phantoms
+    (records whose rows no database has) and its messages sent twice (a forgotten mark) are
+    counted, and each must be one a promotion forgot; nothing the last primary holds may be
+    lost."""
+
+    replication: str
+    failovers: int
+    forgotten_rows: int = 0  # committed on a killed primary, on no later one
+    forgotten_on_topic: int = 0  # of those, on a topic: the phantoms the promotions made
+    forgotten_sends: int = 0  # sent again because a promotion forgot the mark
+    forgotten_applications: int = 0  # applied by the service, the application forgotten
+    confirmed_forgotten: int = 0  # commits a writer saw confirmed, then forgotten
+    phantoms_not_forgotten: int = 0  # records without a row that no killed primary held
+    reconciliation_phantoms: int = 0  # the job's phantom count: must be forgotten_on_topic
+    duplicates_not_forgotten: int = 0  # exactly-once copies that no forgotten mark explains
+    #: Forgotten sends of due scheduled messages that the relay made pending again (a new
+    #: seq), and the per-key order violations (topics and applied) that name one of them:
+    #: their first copy came from the forgotten history, their seq from the new one.
+    made_pending_again: int = 0
+    order_excused: int = 0
+    #: Per failover, seconds from the kill to the first record a relay sent afterwards.
+    relay_resumed_s: tuple[float | None, ...] = ()
+
+    def violations(self, mode: str) -> list[str]:
+        found = _counted(
+            (self.phantoms_not_forgotten, "records without a row that no promotion forgot"),
+        )
+        if self.reconciliation_phantoms != self.forgotten_on_topic:
+            found.append(
+                f"the reconciliation found {self.reconciliation_phantoms} phantoms, the "
+                f"promotions made {self.forgotten_on_topic}"
+            )
+        if self.replication != ASYNCHRONOUS and self.forgotten_on_topic:
+            found.append(
+                f"{self.forgotten_on_topic} messages on a topic that a synchronous promotion forgot"
+            )
+        if self.replication != ASYNCHRONOUS and self.confirmed_forgotten:
+            found.append(
+                f"{self.confirmed_forgotten} confirmed commits a synchronous promotion forgot"
+            )
+        if mode == EXACTLY_ONCE and self.duplicates_not_forgotten:
+            found.append(
+                f"{self.duplicates_not_forgotten} duplicates in exactly-once mode that no "
+                "forgotten mark explains"
+            )
+        for number, seconds in enumerate(self.relay_resumed_s, 1):
+            if seconds is None:
+                found.append(f"failover {number}: no relay sent from the new primary")
+            elif seconds > RELAY_RESUME_LIMIT:
+                found.append(
+                    f"failover {number}: the relays sent from the new primary {seconds:.1f} s "
+                    f"after the kill (limit {RELAY_RESUME_LIMIT:.0f} s)"
+                )
+        return found
+
+
+@dataclass(frozen=True)
 class Findings:
     """Everything the audit found after a run drained."""
 
@@ -58,6 +125,12 @@ class Findings:
     unclean_stops: int = 0  # relays that did not exit 0 after SIGTERM
     writer_failures: list[str] = field(default_factory=list)
     consuming: ConsumingFindings | None = None  # None: the run had no consuming stage
+    failover: FailoverFindings | None = None  # None: the run had no standby
+
+    @property
+    def _asynchronous_failover(self) -> bool:
+        """Phantoms and exactly-once duplicates are then the failover findings' to judge."""
+        return self.failover is not None and self.failover.replication == ASYNCHRONOUS
 
     @property
     def missing(self) -> int:
@@ -78,9 +151,11 @@ class Findings:
         if self.missing:
             found.append(f"{self.missing} committed messages missing from the topics")
         for name in ALWAYS_ZERO:
+            if name == d.PHANTOM and self._asynchronous_failover:
+                continue
             if count := self.reconciliation.get(name, 0):
                 found.append(f"{count} {name.replace('_', ' ')}")
-        if self.mode == EXACTLY_ONCE and self.duplicates:
+        if self.mode == EXACTLY_ONCE and self.duplicates and not self._asynchronous_failover:
             found.append(f"{self.duplicates} duplicates in exactly-once mode")
         found += _counted(
             (self.order_violations, "per-key order violations"),
@@ -94,6 +169,8 @@ class Findings:
         found += [f"writer failed: {failure}" for failure in self.writer_failures]
         if self.consuming is not None:
             found += self.consuming.violations()
+        if self.failover is not None:
+            found += self.failover.violations(self.mode)
         return found
 
     @property

@@ -4,6 +4,7 @@ of its own, each process writing down its transactions in ``<logs>/writer-<i>.js
 from __future__ import annotations
 
 import sys
+import uuid
 from pathlib import Path
 
 from outbox.chaos.fleet import ProcessFleet
@@ -64,18 +65,22 @@ class WriterFleet(ProcessFleet):
 
     def figures(self) -> dict[str, object]:
         """For the run's result: how many lives, how many ended inside a transaction."""
-        sent = 0
-        for index in range(self.count):
-            counts = self.journal(index).with_suffix(".sent")
-            if counts.exists():
-                sent += sum(int(n) for n in counts.read_text().split())
         return {
             "lives": sum(self.lives),
-            "sent_immediately": sent,
+            "sent_immediately": len(self.sent_immediately()),
             "ended_mid_transaction": self.ended_mid_transaction,
             "immediate_send": self.immediate,
             "term_exit_codes": self.term_exits,
         }
+
+    def sent_immediately(self) -> set[uuid.UUID]:
+        """The messages the processes sent themselves (each process writes their ids)."""
+        sent: set[uuid.UUID] = set()
+        for index in range(self.count):
+            path = self.journal(index).with_suffix(".sent")
+            if path.exists():
+                sent.update(uuid.UUID(line) for line in path.read_text().split())
+        return sent
 
     def tallies(self) -> list[Tally]:
         """What each process wrote down, over all its lives."""

@@ -39,8 +39,9 @@ LEASE_SECONDS = 12.0
 
 
 class CountingSender(ImmediateSender):
-    """An immediate sender that writes down how many messages it sent itself, one line per
-    batch in ``counts``, so that the run can show immediate send at work."""
+    """An immediate sender that writes down the ids of the messages it sent itself, one a
+    line in ``counts``, so that the run can show immediate send at work (and tell its records
+    from the relays')."""
 
     def __init__(self, counts: Path, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -50,7 +51,7 @@ class CountingSender(ImmediateSender):
         outcome = super().send_now(ids)
         if outcome.sent:
             with self.counts.open("a", encoding="utf-8") as counts:
-                counts.write(f"{len(outcome.sent)}\n")
+                counts.write("".join(f"{message_id}\n" for message_id in outcome.sent))
         return outcome
 
 

@@ -67,6 +67,9 @@ class Tally:
     uncertain: list[uuid.UUID] = field(default_factory=list)
     transactions: int = 0
     database_errors: int = 0
+    #: Each stretch of database errors: (wall-clock time of its first error, of the next
+    #: commit, errors in it); the commit's time is None while it lasts.
+    outages: list[tuple[float, float | None, int]] = field(default_factory=list)
 
 
 class Writer(threading.Thread):
@@ -134,10 +137,27 @@ class Writer(threading.Thread):
             except (sa_exc.OperationalError, sa_exc.InterfaceError):
                 # The database went away; a later transaction will try again.
                 self.tally.database_errors += 1
+                self._note_error()
                 self._stopping.wait(0.5)
+            else:
+                self._note_success()
             # Keep the pace, without a burst to catch up after an outage.
             due = max(due + len(messages) / self.rate, time.monotonic() - 1.0)
             self._stopping.wait(max(0.0, due - time.monotonic()))
+
+    def _note_error(self) -> None:
+        outages = self.tally.outages
+        if outages and outages[-1][1] is None:
+            began, _, errors = outages[-1]
+            outages[-1] = (began, None, errors + 1)
+        else:
+            outages.append((time.time(), None, 1))
+
+    def _note_success(self) -> None:
+        outages = self.tally.outages
+        if outages and outages[-1][1] is None:
+            began, _, errors = outages[-1]
+            outages[-1] = (began, time.time(), errors)
 
     def _draw_messages(self) -> list[Message]:
         messages = []

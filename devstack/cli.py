@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -36,13 +37,40 @@ def prepare() -> None:
     "replication factor 3, min.insync.replicas 2. Default: what the stack already runs, "
     "else 1.",
 )
-def up(name: str, brokers: int | None) -> None:
-    """Start the stack (or keep it running) and print its connection settings."""
+@click.option(
+    "--standby",
+    type=click.Choice(["sync", "async"]),
+    default=None,
+    help="A streaming standby of PostgreSQL beside the primary (pg_basebackup), with "
+    "synchronous or asynchronous replication; OUTBOX_DATABASE_URL then lists both servers "
+    "and follows the primary through `outbox dev promote`. Default: what the stack already "
+    "runs, else none.",
+)
+def up(name: str, brokers: int | None, standby: str | None) -> None:
+    """Start the stack (or keep it running) and print its connection settings, ready for
+    ``eval "$(outbox dev up)"``."""
     from outbox.devstack import LocalStack
 
-    info = _run_stack_step(lambda: LocalStack.named(name, brokers=brokers).up())
+    info = _run_stack_step(lambda: LocalStack.named(name, brokers=brokers, standby=standby).up())
     for key, value in info.as_env().items():
-        click.echo(f"{key}={value}")
+        click.echo(f"{key}={shlex.quote(value)}")
+
+
+@dev.command()
+@click.option("--name", default="dev", show_default=True, help="Stack instance name.")
+def promote(name: str) -> None:
+    """Fail over: kill -9 the primary PostgreSQL and promote the standby.
+
+    OUTBOX_DATABASE_URL stays as it was (it lists both servers); run `outbox dev up` to
+    build a new standby from the new primary, on the old primary's port."""
+    from outbox.devstack import LocalStack
+
+    stack = LocalStack.named(name)
+    server = _run_stack_step(stack.promote)
+    click.echo(
+        f"promoted the standby on port {server.port}; no standby now (the old primary was "
+        f"killed): `outbox dev up --name {name}` builds a new one"
+    )
 
 
 @dev.command()

@@ -4,7 +4,7 @@ Layout under the stack home (``OUTBOX_STACK_HOME``, default ``<repo>/.stack``)::
 
     jars/kafka/   broker jars, resolved once from Maven Central
     jars/spark/   Spark's Kafka source and the PostgreSQL JDBC driver
-    run/<name>/   one stack's servers: state.json, postgres/, kafka/
+    run/<name>/   one stack's servers: state.json, postgres/ (and postgres-standby/), kafka/
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.maven import resolve_jars
 from outbox.devstack.postgres import PostgresServer, data_root_for, server_bindir
 from outbox.devstack.procs import StackError, free_port, pid_alive, port_open
+from outbox.devstack.replication import (
+    REPLICATION_MODES,
+    build_standby,
+    in_recovery,
+    libpq_multi_host_url,
+    multi_host_url,
+    promote,
+    set_replication,
+)
 
 DEMO_DATABASE = "outbox"
 
@@ -65,13 +74,18 @@ class StackInfo:
     database_url: str
     bootstrap_servers: str
     spark_jars: tuple[str, ...]
+    #: With a standby: the same multi-host URL in libpq's own form (``host=a,b&port=x,y``).
+    libpq_database_url: str | None = None
 
     def as_env(self) -> dict[str, str]:
-        return {
+        env = {
             "OUTBOX_DATABASE_URL": self.database_url,
             "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers,
             "OUTBOX_SPARK_JARS": ",".join(self.spark_jars),
         }
+        if self.libpq_database_url:
+            env["OUTBOX_DATABASE_LIBPQ_URL"] = self.libpq_database_url
+        return env
 
 
 class LocalStack:
@@ -79,14 +93,26 @@ class LocalStack:
 
     ``up`` is idempotent: servers already running are kept, dead ones are restarted on the
     ports recorded in ``state.json`` (new free ports when those are taken).
+
+    ``standby`` (``sync`` or ``async``; default: what the stack already runs, else none) adds
+    a streaming standby of PostgreSQL (:mod:`outbox.devstack.replication`); :meth:`promote`
+    fails over to it, and the next ``up`` builds a new standby from the new primary.
     """
 
-    def __init__(self, run_dir: Path, *, durable: bool = True, brokers: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        durable: bool = True,
+        brokers: int | None = None,
+        standby: str | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.state_file = run_dir / "state.json"
         self.durable = durable
         state = self._load_state()
         pg_state = state.get("postgres", {})
+        standby_state = state.get("standby", {})
         kafka_state = state.get("kafka", {})
         recorded_brokers = int(kafka_state.get("brokers") or 1)
         if brokers is not None and recorded_brokers != brokers and self._kafka_recorded(state):
@@ -103,6 +129,20 @@ class LocalStack:
             password=pg_state.get("password") or secrets.token_urlsafe(18),
             durable=durable,
         )
+        if standby is not None and standby not in REPLICATION_MODES:
+            raise StackError(f"a standby is {' or '.join(REPLICATION_MODES)}, not {standby!r}")
+        #: ``sync``, ``async``, or None: no standby.
+        self.replication: str | None = standby or standby_state.get("replication")
+        #: Given the primary, the port its standby streams from (default: the primary's).
+        self.stream_port: Callable[[PostgresServer], int] | None = None
+        self.standby: PostgresServer | None = None
+        if self.replication:
+            self.standby = PostgresServer(
+                root=Path(standby_state.get("root") or _standby_root(self.postgres.root)),
+                port=int(standby_state.get("port") or 0),
+                password=self.postgres.password,
+                durable=durable,
+            )
         self.kafka = KafkaBroker(
             root=run_dir / "kafka",
             jars=[],
@@ -121,8 +161,15 @@ class LocalStack:
             )
 
     @classmethod
-    def named(cls, name: str, *, durable: bool = True, brokers: int | None = None) -> LocalStack:
-        return cls(stack_home() / "run" / name, durable=durable, brokers=brokers)
+    def named(
+        cls,
+        name: str,
+        *,
+        durable: bool = True,
+        brokers: int | None = None,
+        standby: str | None = None,
+    ) -> LocalStack:
+        return cls(stack_home() / "run" / name, durable=durable, brokers=brokers, standby=standby)
 
     @property
     def bootstrap_servers(self) -> str:
@@ -136,6 +183,7 @@ class LocalStack:
         """Start whatever is not running; create ``database`` when missing."""
         started = time.monotonic()
         self.up_postgres()
+        self.up_standby()
         self.up_kafka()
         self._save_state(started_in=round(time.monotonic() - started, 1))
         if database:
@@ -148,6 +196,44 @@ class LocalStack:
             self._save_state()
             self.postgres.start()
         return self.postgres
+
+    def up_standby(self) -> PostgresServer | None:
+        """Start the standby, or build it from the primary (the first time, and after a
+        promotion); set the primary's replication to the stack's mode."""
+        standby = self.standby
+        if standby is None or self.replication is None:
+            return None
+        if not standby.running():
+            standby.port = _usable_port(standby.port, avoid=self.postgres.port)
+            self._save_state()
+            if (standby.data_dir / "standby.signal").exists():
+                standby.start()  # it streams on from where it stopped (its slot kept the WAL)
+            else:
+                route = self.stream_port(self.postgres) if self.stream_port else None
+                build_standby(self.postgres, standby, self.replication, stream_port=route)
+        elif not in_recovery(standby):
+            raise StackError(
+                f"the standby on port {standby.port} is a primary itself: "
+                f"`outbox dev down --name {self.run_dir.name}` and start again"
+            )
+        set_replication(self.postgres, self.replication)
+        self._save_state()
+        return standby
+
+    def promote(self) -> PostgresServer:
+        """Fail over: ``kill -9`` the primary and promote the standby, which becomes the
+        primary; the old primary's folder is kept until a standby is built there (by the
+        next :meth:`up_standby`, on the old primary's port, so the stack's URL stays)."""
+        standby = self.standby
+        if standby is None or not standby.running():
+            raise StackError(f"stack {self.run_dir.name!r} has no standby running to promote")
+        old = self.postgres
+        old.kill()
+        promote(standby)
+        (old.data_dir / "standby.signal").unlink(missing_ok=True)  # not a standby to resume
+        self.postgres, self.standby = standby, old
+        self._save_state()
+        return standby
 
     def up_kafka(self) -> KafkaBroker:
         if self.cluster is not None:
@@ -183,28 +269,52 @@ class LocalStack:
         """Stop the servers and forget their data."""
         errors: list[str] = []
         stops: list[Callable[[], None]] = [n.stop for n in self.kafka_nodes()]
-        for stop in (*stops, self.postgres.stop):
+        servers = [self.postgres, *([self.standby] if self.standby else [])]
+        for stop in (*stops, *(server.stop for server in servers)):
             try:
                 stop()
             except StackError as exc:
                 errors.append(str(exc))
         if errors:
             raise StackError("; ".join(errors))
-        shutil.rmtree(self.postgres.root, ignore_errors=True)
+        for server in servers:
+            shutil.rmtree(server.root, ignore_errors=True)
+            # Killed primaries a chaos run kept aside for its audit (outbox.chaos.stack).
+            for kept in server.root.parent.glob(f"{server.root.name}-old-*"):
+                shutil.rmtree(kept, ignore_errors=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def database_url(self, database: str = DEMO_DATABASE) -> str:
+        """The primary's URL; with a standby, one that lists both servers and follows the
+        primary through a promotion."""
+        if self.standby is None:
+            return self.postgres.url(database)
+        return multi_host_url(self.servers, database)
+
+    @property
+    def servers(self) -> list[PostgresServer]:
+        """The PostgreSQL servers, in the order of their ports (which a promotion keeps)."""
+        found = [self.postgres, *([self.standby] if self.standby else [])]
+        return sorted(found, key=lambda server: server.port)
 
     def info(self, database: str = DEMO_DATABASE) -> StackInfo:
         return StackInfo(
-            database_url=self.postgres.url(database),
+            database_url=self.database_url(database),
             bootstrap_servers=self.bootstrap_servers,
             spark_jars=tuple(str(jar) for jar in spark_jars()),
+            libpq_database_url=libpq_multi_host_url(self.servers, database)
+            if self.standby
+            else None,
         )
 
     def status(self) -> dict[str, bool]:
+        servers = {"postgres": self.postgres.running()}
+        if self.standby is not None:
+            servers[f"postgres standby ({self.replication})"] = self.standby.running()
         if self.cluster is None:
-            return {"postgres": self.postgres.running(), "kafka": self.kafka.running()}
+            return {**servers, "kafka": self.kafka.running()}
         nodes = {f"kafka node {n.node_id}": n.running() for n in self.cluster.nodes}
-        return {"postgres": self.postgres.running(), **nodes}
+        return {**servers, **nodes}
 
     def ensure_database(self, name: str) -> None:
         import psycopg
@@ -231,6 +341,12 @@ class LocalStack:
             "nodes": [[n.port, n.controller_port] for n in self.cluster.nodes],
         }
 
+    def _standby_state(self) -> dict[str, object]:
+        if self.standby is None:
+            return {}
+        standby = {"root": str(self.standby.root), "port": self.standby.port}
+        return {"standby": {**standby, "replication": self.replication}}
+
     @staticmethod
     def _kafka_recorded(state: dict[str, Any]) -> bool:
         kafka = state.get("kafka") or {}
@@ -245,6 +361,7 @@ class LocalStack:
                 "password": self.postgres.password,
             },
             "kafka": self._kafka_state(),
+            **self._standby_state(),
             **extra,
         }
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -252,6 +369,11 @@ class LocalStack:
         tmp.write_text(json.dumps(state, indent=2))
         tmp.chmod(0o600)  # holds the cluster's password
         tmp.replace(self.state_file)
+
+
+def _standby_root(primary_root: Path) -> Path:
+    """Beside the first primary's folder (both may live under /tmp, see data_root_for)."""
+    return primary_root.with_name(primary_root.name + "-standby")
 
 
 def _usable_port(recorded: int, avoid: int | set[int] = 0) -> int:

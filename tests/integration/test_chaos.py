@@ -69,8 +69,78 @@ def test_a_short_chaos_run_on_a_three_node_cluster_keeps_every_guarantee(
     assert any(line.startswith("stopping nodes ") for line in stopped), stopped
 
 
-def run_chaos(mode: str, output: Path, *extra: str) -> tuple[dict[str, Any], str]:
-    """Run ``outbox chaos`` (short profile, seed 7); its JSON result and its output."""
+class RelayResumedLate(AssertionError):
+    """A relay sent its first message from the new primary more than 15 s after the kill."""
+
+
+@pytest.mark.parametrize(
+    ("mode", "replication"),
+    [
+        ("at-least-once", "async"),
+        pytest.param(
+            "exactly-once",
+            "sync",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=RelayResumedLate,
+                reason="relay: after losing its database an exactly-once relay takes its "
+                "shards over again in one batch, fencing every shard's producer and reading "
+                "its progress before the first send (8.6 s of fencing for 16 shards on a "
+                "busy machine), so its first send from the new primary comes 15-30 s after "
+                "the kill",
+            ),
+        ),
+    ],
+)
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.xdist_group("chaos")
+def test_a_short_failover_run_keeps_what_its_replication_promises(
+    mode: str, replication: str, tmp_path: Path
+) -> None:
+    """The failover profile: the primary killed with -9 and the standby promoted, again and
+    again (a new standby built after each), under writers, relays and a consumer. A
+    synchronous standby forgets nothing anyone saw; what an asynchronous one forgot is
+    counted, and each phantom is one it forgot. The relays send from the new primary within
+    15 s of each kill."""
+    result, stdout = run_chaos(
+        mode, tmp_path, "--profile", "failover", "--replication", replication, passed=False
+    )
+    late = [v for v in result["violations"] if "from the new primary" in v]
+    assert [v for v in result["violations"] if v not in late] == []
+    profile = replace(PROFILES["failover"], replication=replication)
+    planned = plan(SEED, profile)
+    assert result["replication"] == replication
+    assert result["faults_by_kind"] == {"db_failover": len(planned)} and len(planned) >= 2
+    assert result["missing"] == 0 and result["order_violations"] == 0
+    assert result["reconciliation"]["stuck"] == 0
+    assert result["statuses"] == {"sent": result["messages_committed"]}
+    found = result["failover"]
+    assert found["failovers"] == len(planned) == len(result["failovers"])
+    assert found["phantoms_not_forgotten"] == 0
+    assert result["phantom"] == found["reconciliation_phantoms"] == found["forgotten_on_topic"]
+    if replication == "sync":
+        assert result["phantom"] == 0 and found["confirmed_forgotten"] == 0
+        if mode == EXACTLY_ONCE:
+            assert result["duplicates"] == 0
+    for figures in result["failovers"]:
+        assert figures["writers_failing"] > 0  # they saw the kill, and wrote again after it
+        assert figures["writers_committing_again_s"] is not None
+    consuming = result["consuming"]
+    assert consuming["caught_up"] and consuming["applied_twice"] == 0
+    assert consuming["missing"] == consuming["not_committed"] == 0  # beyond what was forgotten
+    assert "failover 1 " in stdout
+    if late:
+        raise RelayResumedLate("; ".join(late))
+    assert result["verdict"] == "PASS"
+
+
+def run_chaos(
+    mode: str, output: Path, *extra: str, passed: bool = True
+) -> tuple[dict[str, Any], str]:
+    """Run ``outbox chaos`` (short profile unless ``extra`` says, seed 7); its JSON result
+    and its output. ``passed``: it must have exited 0 (else it may have found violations,
+    for the caller to look at, but must have been carried out)."""
     command = [sys.executable, "-m", "outbox.cli", "chaos", "--mode", mode, *extra]
     command += ["--seed", str(SEED), "--output", str(output)]
     with subprocess.Popen(
@@ -87,7 +157,7 @@ def run_chaos(mode: str, output: Path, *extra: str) -> tuple[dict[str, Any], str
     lines = stdout.strip().splitlines()
     assert lines, stderr[-3000:]
     result: dict[str, Any] = json.loads(lines[-1])  # the last line is the result
-    assert run.returncode == 0, "\n".join(lines[-40:]) + stderr[-2000:]
+    assert run.returncode in ((0,) if passed else (0, 1)), "\n".join(lines[-40:]) + stderr[-2000:]
     return result, stdout
 
 

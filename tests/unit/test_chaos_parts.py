@@ -15,6 +15,7 @@ import pytest
 from outbox.chaos.applied import Application, audit_applied
 from outbox.chaos.audit import RowFacts, TopicRecord, order_violations, partition_ends
 from outbox.chaos.consumers import counters
+from outbox.chaos.forgotten import Forgotten, Holdings, compare
 from outbox.chaos.handover import Gap, ShardWatch, attribute, by_fault, gap_lines, healed_at
 from outbox.chaos.schedule import (
     BROKER_RESTART,
@@ -22,19 +23,22 @@ from outbox.chaos.schedule import (
     BROKERS_DOWN,
     CLUSTER_FAULTS,
     CONSUMING_FAULTS,
+    DB_FAILOVER,
     FAULT_KINDS,
     HOLDS,
     OVERLAP,
     PROCESS_FAULTS,
     PROFILES,
     PUBLISHING_FAULTS,
+    REPLICATION_FAULTS,
     WRITER_KILL,
     Fault,
     plan,
 )
-from outbox.chaos.verdict import ConsumingFindings, Findings
+from outbox.chaos.verdict import ConsumingFindings, FailoverFindings, Findings
 from outbox.chaos.visibility import MadeBy, Snapshot
 from outbox.chaos.writers import read_journal
+from outbox.relay.config import EXACTLY_ONCE
 from outbox.schema import SHARD_COUNT
 from outbox.spark_jobs import discrepancies as d
 
@@ -51,7 +55,8 @@ def test_every_schedule_starts_with_one_fault_of_each_kind_in_sequence(seed: int
     faults = plan(seed, SHORT)
     kinds = SHORT.fault_kinds
     assert sorted(f.kind for f in faults[: len(kinds)]) == sorted(kinds)
-    assert set(FAULT_KINDS) - set(kinds) == set(CLUSTER_FAULTS)  # one broker: all but those
+    # One broker and no standby: all but those.
+    assert set(FAULT_KINDS) - set(kinds) == {*CLUSTER_FAULTS, *REPLICATION_FAULTS}
     for before, after in itertools.pairwise(faults):
         assert after.at >= before.heals_at + SHORT.min_gap - 0.1  # one at a time, with a gap
     for fault in faults:
@@ -494,7 +499,9 @@ def test_the_seeds_of_the_recorded_runs_still_play_their_schedules(
     schedules, as JSON lines, are what they were when those runs were recorded."""
     import hashlib
 
-    text = "\n".join(json.dumps(f.to_json()) for f in plan(seed, PROFILES[profile]))
+    # The long profile has a standby since: `--replication none` plays what it played.
+    chosen = replace(PROFILES[profile], replication=None)
+    text = "\n".join(json.dumps(f.to_json()) for f in plan(seed, chosen))
     assert hashlib.sha256(text.encode()).hexdigest() == digest
 
 
@@ -720,3 +727,115 @@ def test_a_run_in_a_folder_used_before_starts_from_nothing_of_the_earlier_run(
     clear_earlier_run(tmp_path)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "reconcile"]
+
+
+# -- failovers -------------------------------------------------------------------------------
+
+
+def test_failovers_are_planned_only_with_a_standby_and_the_failover_profile_plays_only_them() -> (
+    None
+):
+    assert DB_FAILOVER not in PROFILES["short"].fault_kinds
+    assert DB_FAILOVER in PROFILES["long"].fault_kinds  # a synchronous standby
+    assert DB_FAILOVER in {f.kind for f in plan(2026, PROFILES["long"])[:20]}
+    only = PROFILES["failover"]
+    faults = plan(7, only)
+    assert len(faults) >= 3 and {f.kind for f in faults} == {DB_FAILOVER}
+    assert all(0.0 <= f.hold <= 3.0 for f in faults)
+    assert plan(7, replace(only, replication=None)) == []  # no standby, nothing to fail over
+
+
+def _held(
+    rows: list[uuid.UUID], sends: dict[uuid.UUID, tuple[int, int]], applied: list[uuid.UUID]
+) -> Holdings:
+    return Holdings(set(rows), dict(sends), set(applied))
+
+
+def test_what_a_promotion_forgot_is_what_a_killed_primary_held_and_the_last_does_not() -> None:
+    kept, lost, resent, recovered, applied = (uuid.uuid4() for _ in range(5))
+    old = _held(
+        [kept, lost, resent, recovered],
+        {kept: (0, 1), lost: (0, 2), resent: (1, 5), recovered: (2, 7)},
+        [kept, applied],
+    )
+    last = _held(
+        [kept, resent, recovered], {kept: (0, 1), resent: (1, 9), recovered: (2, 7)}, [kept]
+    )
+    found = compare([old], last)
+    assert found.rows == {lost}  # committed there, on no later primary
+    assert found.sends == {resent}  # marked at offset 5, forgotten, sent again (offset 9)
+    assert found.applications == {applied}
+    assert compare([old], old) == Forgotten()
+
+
+def _failover(**counts: Any) -> Findings:
+    return Findings(mode=EXACTLY_ONCE, reconciliation={}, failover=FailoverFindings(**counts))
+
+
+def test_an_asynchronous_promotions_phantoms_pass_when_each_is_one_it_forgot() -> None:
+    forgot = _failover(
+        replication="async",
+        failovers=2,
+        forgotten_rows=5,
+        forgotten_on_topic=3,
+        reconciliation_phantoms=3,
+        forgotten_sends=2,
+        relay_resumed_s=(4.2, 6.0),
+    )
+    forgot = replace(forgot, reconciliation={d.PHANTOM: 3, d.DUPLICATE: 2})
+    assert forgot.violations() == [] and forgot.verdict == "PASS"
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        ({"phantoms_not_forgotten": 1, "reconciliation_phantoms": 1}, "no promotion forgot"),
+        (
+            {"forgotten_on_topic": 2, "reconciliation_phantoms": 1},
+            "found 1 phantoms, the promotions made 2",
+        ),
+        ({"duplicates_not_forgotten": 1}, "no forgotten mark explains"),
+        (
+            {"relay_resumed_s": (3.0, 15.5)},
+            "failover 2: the relays sent from the new primary 15.5 s",
+        ),
+        ({"relay_resumed_s": (None,)}, "failover 1: no relay sent from the new primary"),
+    ],
+)
+def test_what_no_promotion_explains_fails_an_asynchronous_run(
+    counts: dict[str, Any], expected: str
+) -> None:
+    found = _failover(replication="async", failovers=2, **counts)
+    assert any(expected in line for line in found.violations()), found.violations()
+
+
+def test_a_synchronous_promotion_may_forget_nothing_anyone_saw() -> None:
+    clean = _failover(replication="sync", failovers=1, forgotten_rows=2, relay_resumed_s=(5.0,))
+    assert clean.violations() == []  # commits nobody saw confirmed, on no topic
+    seen = _failover(
+        replication="sync", failovers=1, forgotten_on_topic=1, reconciliation_phantoms=1
+    )
+    seen = replace(seen, reconciliation={d.PHANTOM: 1})
+    assert "1 phantom" in seen.violations()
+    assert any("a synchronous promotion forgot" in line for line in seen.violations())
+    duplicated = replace(clean, reconciliation={d.DUPLICATE: 1})
+    assert "1 duplicates in exactly-once mode" in duplicated.violations()
+
+
+def test_a_send_forgotten_with_its_making_pending_is_told_apart_by_its_new_seq() -> None:
+    marked_again, made_pending_again = uuid.uuid4(), uuid.uuid4()
+    old = Holdings(
+        {marked_again, made_pending_again},
+        {marked_again: (0, 1), made_pending_again: (0, 2)},
+        set(),
+        {marked_again: 10, made_pending_again: 11},
+    )
+    last = Holdings(
+        {marked_again, made_pending_again},
+        {marked_again: (0, 5), made_pending_again: (0, 6)},
+        set(),
+        {marked_again: 10, made_pending_again: 40},  # made pending again: a new seq
+    )
+    found = compare([old], last)
+    assert found.sends == {marked_again, made_pending_again}
+    assert found.made_pending_again == {made_pending_again}
