@@ -62,14 +62,21 @@ def consume_all(
     return [(m.key(), m.value()) for m in messages]
 
 
-def create_topics(bootstrap: str, names: list[str], partitions: int = 1) -> None:
+def create_topics(
+    bootstrap: str,
+    names: list[str],
+    partitions: int = 1,
+    config: dict[str, str] | None = None,
+) -> None:
     """Create ``names`` with the brokers' default replication factor (1 on a lone broker, 3
-    on the cluster); an existing topic is kept as it is."""
+    on the cluster) and the topic settings ``config`` (``max.message.bytes``, ...); an
+    existing topic is kept as it is."""
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     futures = admin.create_topics(
-        [NewTopic(name, partitions, replication_factor=-1) for name in names], operation_timeout=30
+        [NewTopic(name, partitions, replication_factor=-1, config=config or {}) for name in names],
+        operation_timeout=30,
     )
     for future in futures.values():
         try:

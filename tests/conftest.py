@@ -224,7 +224,8 @@ def bootstrap_servers(kafka_broker: KafkaBroker) -> str:
 
 @pytest.fixture
 def make_topic(bootstrap_servers: str) -> Iterator[Callable[..., str]]:
-    """Create topics with unique names for one test; they are deleted afterwards."""
+    """Create topics with unique names for one test (``make(prefix, partitions, config)``,
+    ``config`` the topic's settings); they are deleted afterwards."""
     from confluent_kafka.admin import AdminClient
 
     from outbox.devstack.topics import create_topics
@@ -232,9 +233,9 @@ def make_topic(bootstrap_servers: str) -> Iterator[Callable[..., str]]:
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     created: list[str] = []
 
-    def make(prefix: str = "t", partitions: int = 1) -> str:
+    def make(prefix: str = "t", partitions: int = 1, config: dict[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        create_topics(bootstrap_servers, [name], partitions)
+        create_topics(bootstrap_servers, [name], partitions, config)
         created.append(name)
         return name
 

@@ -1,30 +1,36 @@
 """Row locks of other transactions against the relay's marks, where the lock timeout of the
 marking sessions does not reach: a batch with a failure is recorded on the owner session,
 and shards are drained before they change hands. Each holds up every shard of the relay for
-as long as the lock is held. Real PostgreSQL, the loop's stub publisher."""
+as long as the lock is held. Real PostgreSQL, the loop's stub publisher; the exactly-once
+take-over, real Kafka and a relay process killed while its mark waits."""
 
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import pytest
+import sqlalchemy as sa
 
+from outbox import Message, Outbox
+from outbox.devstack.topics import consume_messages
 from outbox.records import OutboxRecord
 from outbox.relay.daemon import Relay
-from outbox.sending import Ack
 from tests.integration.test_relay_loop import StubPublisher, config, wait_for
 from tests.integration.test_relay_row_locks import (
     LOCKS,
+    SPREAD,
     publish_spread,
     row_locked,
     sent,
     shards_of,
 )
-from tests.relay_helpers import looping
+from tests.relay_helpers import looping, message_id, relay_config, start_relay_process
+from tests.relay_outside import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -127,18 +133,13 @@ def test_a_relay_joining_while_a_mark_waits_for_a_row_lock_stops_no_shard(  # ty
             assert owned(other)
 
 
-class CommittedBefore(StubPublisher):
-    """Exactly-once: the progress topic says that ``committed`` went in a Kafka transaction
-    its shard's last owner committed (a relay that died while its mark waited)."""
-
-    def __init__(self, committed: list[Ack]) -> None:
-        super().__init__()
-        self.committed = committed
-        self.took_over: list[int] = []
-
-    def take_over(self, shards: Sequence[int]) -> list[Ack]:
-        self.took_over.extend(shards)
-        return list(self.committed)
+def publish_spread_to(engine: sa.Engine, topic: str, wave: str) -> list[uuid.UUID]:
+    """As ``publish_spread``, to a topic of the test's own."""
+    with Outbox(engine).transaction() as tx:
+        results = tx.publish_many(
+            [Message(topic, {"n": n}, key=f"{wave}-{n}") for n in range(SPREAD)]
+        )
+    return [r.message_id for r in results]
 
 
 @pytest.mark.xfail(
@@ -148,19 +149,50 @@ class CommittedBefore(StubPublisher):
     " takes over while another transaction holds that row locked sends nothing",
 )
 def test_a_take_over_whose_committed_row_is_locked_holds_up_no_other_shard(  # type: ignore[no-untyped-def]
-    engine, outbox_url
+    engine, outbox_url, bootstrap_servers, make_topic
 ) -> None:
-    first = publish_spread(engine, "first")
+    """The first relay's Kafka transaction with the locked row committed, and its mark waits
+    for the lock; it dies (SIGKILL). The next owner finds the row in the shard's progress
+    record: the other shards go on meanwhile, and the row is marked, never sent again."""
+    topic = make_topic("take-over-locked")
+    prefix = f"take-over-locked-{uuid.uuid4().hex[:8]}"
+    options = ("--mode", "exactly-once", "--transactional-id-prefix", prefix)
+    progress = f"{prefix}-progress"
+    first = publish_spread_to(engine, topic, "first")
     locked = first[0]
     locked_shard = shards_of(engine, [locked])[locked]
-    stub = CommittedBefore([Ack(locked, 0, 1, 0)])
     lock = row_locked(outbox_url, locked, LOCKS["uncommitted update"])
     lock.__enter__()
-    with released_first(lock, Relay(config(outbox_url, mode="exactly-once"), publisher=stub)):
-        wait_for(lambda: locked_shard in stub.took_over)
-        shard = shards_of(engine, first)
-        free = [i for i in first if shard[i] != locked_shard]
-        # The shards whose progress holds no locked row are read while the lock is held.
-        wait_for(lambda: sent(engine, free) == set(free), timeout=10)
-    assert sent(engine, [locked]) == {locked}  # marked from the progress record, not sent
-    assert locked not in {record.id for record in stub.acked}
+    try:
+        dying = start_relay_process(
+            outbox_url, bootstrap_servers, *options, "--progress-topic", progress
+        )
+        free_first = [i for i in first if i != locked]
+        wait_until(lambda: sent(engine, free_first) == set(free_first), 60, "the first rows sent")
+        time.sleep(1.0)  # its mark of the locked row is tried again and again meanwhile
+        assert not sent(engine, [locked])
+        dying.kill()
+        dying.wait(30)
+        config = relay_config(
+            outbox_url,
+            bootstrap_servers,
+            mode="exactly-once",
+            transactional_id_prefix=prefix,
+            progress_topic=progress,
+        )
+        with released_first(lock, Relay(config)):
+            second = publish_spread_to(engine, topic, "second")
+            shard = shards_of(engine, second)
+            free = [i for i in second if shard[i] != locked_shard]
+            # The shards whose progress holds no locked row are sent while the lock is held.
+            wait_until(lambda: sent(engine, free) == set(free), 30, "the other shards' rows sent")
+            lock.__exit__(None, None, None)
+            every = set(first + second)
+            wait_until(lambda: sent(engine, list(every)) == every, 30, "every row sent")
+    finally:
+        lock.__exit__(None, None, None)
+    on_topic = Counter(
+        message_id(record)
+        for record in consume_messages(bootstrap_servers, topic, expect=2 * SPREAD)
+    )
+    assert on_topic[locked] == 1  # marked from the progress record, not sent again

@@ -17,10 +17,12 @@ from outbox.chaos import audit
 from outbox.errors import NotScheduled
 from outbox.prepared import PreparedMessages
 from outbox.scheduled import ScheduledMessages
+from outbox.schema import SHARD_COUNT
 from tests.integration import test_scheduled_order
 from tests.integration.test_scheduled import promote_all
 from tests.integration.test_scheduled_order import write
-from tests.relay_helpers import relay_config, running_relay, wait_for
+from tests.relay_helpers import relay_config, wait_for
+from tests.relay_outside import watched
 
 audited = test_scheduled_order.audited  # the fixture, shared
 
@@ -45,9 +47,11 @@ def test_a_cancel_rolled_back_after_the_due_time_is_sent_within_a_second(  # typ
 ) -> None:
     topic = make_topic("sched-cancel-rollback")
     ob = Outbox(engine)
-    config = relay_config(outbox_url, bootstrap_servers, poll_interval=8.0, rebalance_interval=8.0)
-    with running_relay(config) as relay:
-        wait_for(lambda: relay._owns_shards(), 30, "the relay to own its shards")
+    config = relay_config(
+        outbox_url, bootstrap_servers, poll_interval=8.0, rebalance_interval=8.0, metrics_port=0
+    )
+    with watched(config) as relay:
+        wait_for(lambda: relay.owned_shards() == SHARD_COUNT, 30, "the relay to own its shards")
         time.sleep(1.0)  # idle: nothing pending
         with ob.transaction() as tx:
             due = tx.publish(topic, "remind", key="k", deliver_after=1.0).message_id
