@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import psycopg
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from outbox.relay.config import RelayConfig
+
+_DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
 
 #: Milliseconds a mark waits for a row lock another transaction holds (an operator's UPDATE, a
 #: long `outbox dead retry`) before it gives up, to try again later without waiting: a mark
@@ -20,7 +23,10 @@ def open_session(
     """An autocommit session named ``name`` (its ``application_name``), with the relay's
     settings: a marking session plans hash joins only and waits at most
     :data:`MARK_LOCK_TIMEOUT_MS` for a row lock; the reading session plans its read once."""
-    url = sa.make_url(config.database_url)
+    # SQLAlchemy's own reading of the URL: every host and port of a multi-host URL (and
+    # target_session_attrs), as the services' engines connect.
+    _, target = _DIALECT.create_connect_args(sa.make_url(config.database_url))  # type: ignore[no-untyped-call]
+    given = f"{target.pop('options')} " if "options" in target else ""
     # Marks join the table to the batch's arrays: hash joins only (see
     # outbox.engines.hash_joins_only). Measured: statistics taken while few rows were pending,
     # and the pending index full of rows marked since the last vacuum, gave a nested loop
@@ -33,12 +39,9 @@ def open_session(
     # planned for their own parameters: a generic plan of a mark guesses its arrays' sizes
     # wrong (see outbox.engines.sender_engine).
     plans = "force_generic_plan" if reading else "force_custom_plan"
+    target.setdefault("host", "localhost")
     return psycopg.connect(
-        host=url.host or "localhost",
-        port=url.port or 5432,
-        user=url.username,
-        password=url.password,
-        dbname=url.database,
+        **target,
         autocommit=True,
         connect_timeout=10,
         keepalives=1,
@@ -53,7 +56,8 @@ def open_session(
         # so that a database or role default does not decide it. The server, too, should
         # notice a vanished relay quickly: drop the owner session's locks, and not keep the
         # other sessions' backends for hours.
-        options=f"-c plan_cache_mode={plans} -c jit=off -c enable_seqscan=off"
+        options=given
+        + f"-c plan_cache_mode={plans} -c jit=off -c enable_seqscan=off"
         + joins
         + locks
         + " -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3"

@@ -548,6 +548,19 @@ class FakeProducer:
     def _waiting(self) -> bool:
         return bool(self.queued or self.requests)
 
+    def answerable(self) -> bool:
+        """Whether serving this producer now would get somewhere (a report, a request to
+        answer): the relay's sender thread would be busy."""
+        if self.reports or self.queued or (self.fatal is not None and not self._raised_fatal):
+            return True
+        broker = self.world.broker
+        if not broker.reachable(self.relay):
+            return False
+        return any(
+            r.answer_at <= self.world.now and (r.topic, r.partition) not in broker.stalled
+            for r in self.requests
+        )
+
     def _pump(self) -> None:
         """Form requests of what is queued (a partition's records, up to ``batch.size``) and
         answer those whose time came."""
@@ -1672,8 +1685,7 @@ class World:
                 return True
             if sim.transactions.tasks or any(d <= now for d, _, _ in sim.recorder.running):
                 return True
-            sender = sim.relay.sender
-            if sender is not None and sender.in_flight:
+            if any(p.answerable() for p in self.producers if p.relay == sim.name):
                 return True
         return False
 
