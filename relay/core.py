@@ -20,7 +20,8 @@ What it keeps:
   with others (the whole request is refused) is a *suspect*: it is sent again alone, and only
   a refusal of it alone makes it dead. Its key's later messages wait behind it.
 - **Kafka's failures are not the messages'.** See :mod:`outbox.relay.reach`.
-- **Bounded batches.** A batch holds at most :data:`BATCH_BYTES` of records, and an
+- **Bounded batches.** A batch holds at most
+  :data:`~outbox.relay.reading.BATCH_BYTES` of records, and an
   exactly-once transaction at most :data:`PROGRESS_ACKS` messages (its progress record lists
   them all, and a record has a size limit).
 """
@@ -65,20 +66,11 @@ from outbox.relay.policy import (
     RetryPolicy,
     classify,
 )
-from outbox.relay.reach import KafkaReach
-from outbox.relay.reading import ReadPlanner
+from outbox.relay.reach import EVIDENCE_SECONDS, FIRST_PAUSE, KafkaReach
+from outbox.relay.reading import BATCH_BYTES, ReadPlanner, within_bytes
 from outbox.rows import UNDECODABLE, Failure, PendingRow
 from outbox.sending import Ack
 
-#: Seconds before a relay takes back a shard whose producer could not go on: its take-over
-#: may block while Kafka is unwell, and another relay may serve it meanwhile.
-LOST_SHARD_HOLD_OFF = 5.0
-#: Seconds between tries of a record whose rows another transaction holds locked (a try
-#: waits for no lock): the rows are recorded at most this long after the lock goes.
-MARK_RETRY_SECONDS = 0.5
-#: The most bytes of records (keys, values, headers) one batch holds: the producer's queue
-#: and the relay's memory stay bounded whatever the batch size and the messages' sizes.
-BATCH_BYTES = 32 * 1024 * 1024
 #: The most messages of one exactly-once transaction: its progress record lists each (about
 #: 60 bytes apiece), and must stay well under the broker's default record limit (1 MB).
 PROGRESS_ACKS = 8000
@@ -266,7 +258,7 @@ class RelayCore:
             going = [[row for row in rows if row.id.int in kept]]
         commands: list[Command] = []
         for part in going:
-            commands.extend(self._start(_within(part, BATCH_BYTES), now, isolated=False))
+            commands.extend(self._start(within_bytes(part, BATCH_BYTES), now, isolated=False))
         for row in alone:
             commands.extend(self._start([row], now, isolated=True))
         # A shard read that sends nothing now is looked at again later, not at once: every
@@ -322,11 +314,9 @@ class RelayCore:
             return []  # forgotten: the database or the shards were lost meanwhile
         commands: list[Command] = []
         rows = {row.id: row for row in batch.rows}
-        # Kafka took a batch sent after this one while this one waited: a failure is the
-        # message's own (a partition of its stalled, say). Else it is an outage, whatever
-        # of the batch got through before it began (a path cut just after): nothing is
-        # charged.
-        evidence = self.reach.answered_since(batch.started)
+        # Kafka takes the batches sent after this one: a failure is the message's own (a
+        # partition of its stalled, say). Else it is an outage: nothing is charged.
+        evidence = self.reach.answered_since(batch.started, now)
         if result.acks:
             self.reach.reached(now, sent=batch.started)
         lost = set(result.lost_shards) & self.owned
@@ -366,7 +356,9 @@ class RelayCore:
                 if shard in lost:
                     del self.suspects[suspect]
             commands.append(LetGo(tuple(sorted(lost))))
-            commands.append(Release(tuple(sorted(lost)), LOST_SHARD_HOLD_OFF))
+            # Not taken back before evidence would be stale: its take-over may block while Kafka
+            # is unwell, and another relay may serve it meanwhile.
+            commands.append(Release(tuple(sorted(lost)), EVIDENCE_SECONDS))
         holds = {shard for shard in batch.shards if self.busy.get(shard) == batch.number}
         recording = self._record(holds, list(result.acks), failures, _shards_of(batch), batch, now)
         return commands + recording
@@ -418,7 +410,7 @@ class RelayCore:
                 current.began,
                 current.batch,
             )
-            self.retry_at[current.number] = now + MARK_RETRY_SECONDS
+            self.retry_at[current.number] = now + FIRST_PAUSE  # a try waits for no lock
         else:
             del self.recordings[current.number]
         self._free({s for s, number in self.busy.items() if number == current.number} - holding)
@@ -506,21 +498,3 @@ class RelayCore:
 
 def _shards_of(batch: Batch) -> dict[uuid.UUID, int]:
     return {row.id: row.shard for row in batch.rows}
-
-
-def _size(row: PendingRow) -> int:
-    record = row.record
-    if record is None:
-        return 0
-    headers = sum(len(name) + len(value or b"") for name, value in record.headers)
-    return len(record.key or b"") + len(record.value or b"") + headers
-
-
-def _within(rows: list[PendingRow], room: int) -> list[PendingRow]:
-    """The first of ``rows`` that fit in ``room`` bytes (at least one, so a batch moves)."""
-    total = 0
-    for position, row in enumerate(rows):
-        total += _size(row)
-        if total > room and position > 0:
-            return rows[:position]
-    return rows

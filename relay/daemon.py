@@ -52,7 +52,7 @@ from outbox.relay.driver import Driver
 from outbox.relay.leases import Leases
 from outbox.relay.observability import HealthState, RelayMetrics, mask_secrets, serve
 from outbox.relay.progress import ensure_progress_topic
-from outbox.relay.reach import FIRST_PAUSE, LONGEST_PAUSE
+from outbox.relay.reach import EVIDENCE_SECONDS, FIRST_PAUSE
 from outbox.relay.recorder import Recorder
 from outbox.relay.sender import KAFKA_LOG, AtLeastOnceSender, Sender
 from outbox.relay.store import RelayStore
@@ -230,7 +230,7 @@ class Relay:
     def step(self) -> None:
         """One round of the loop: connect if need be, then one turn; a lost database or an
         unreachable Kafka is let go of and tried again after a pause (doubling, at most
-        LONGEST_PAUSE)."""
+        EVIDENCE_SECONDS)."""
         try:
             self._connect()
             self._turn()
@@ -238,7 +238,7 @@ class Relay:
         except (psycopg.OperationalError, sa_exc.OperationalError, sa_exc.InterfaceError) as error:
             self._lost_database(error)
             self._stop.wait(self._pause)
-            self._pause = min(LONGEST_PAUSE, self._pause * 2)
+            self._pause = min(EVIDENCE_SECONDS, self._pause * 2)
         except (KafkaException, TimeoutError) as error:
             self.health.kafka_ok = False
             if (
@@ -251,7 +251,7 @@ class Relay:
                 return
             log.error("Kafka error: %s; retrying in %.1fs", mask_secrets(str(error)), self._pause)
             self._stop.wait(self._pause)
-            self._pause = min(LONGEST_PAUSE, self._pause * 2)
+            self._pause = min(EVIDENCE_SECONDS, self._pause * 2)
 
     # -- the loop --------------------------------------------------------------------------
 

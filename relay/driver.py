@@ -47,16 +47,13 @@ from outbox.relay.commands import (
 from outbox.relay.core import RelayCore
 from outbox.relay.observability import HealthState, RelayMetrics, mask_secrets
 from outbox.relay.policy import RETRIABLE, classify
-from outbox.relay.reach import STEP_ASIDE_SECONDS
+from outbox.relay.reach import EVIDENCE_SECONDS, STEP_ASIDE_AFTER
 from outbox.relay.sender import Sender
 from outbox.relay.tracing import start_batch_span
 from outbox.rows import PendingRow
 from outbox.sending import Ack, order_gaps
 
 log = logging.getLogger("outbox.relay")
-
-#: Seconds a probe gives a broker to answer a metadata request.
-PROBE_TIMEOUT = 5.0
 
 
 class Source(Protocol):
@@ -183,7 +180,7 @@ class Driver:
 
     def _probe(self) -> None:
         def probe() -> None:
-            self.post(Probed(self.sender.probe(PROBE_TIMEOUT)))
+            self.post(Probed(self.sender.probe(EVIDENCE_SECONDS)))
 
         self.background.submit(probe)
 
@@ -210,13 +207,15 @@ class Driver:
         elif isinstance(event, Probed):
             self.health.kafka_ok = event.reached
             if not event.reached:
-                log.warning("Kafka out of reach: a broker did not answer in %.0fs", PROBE_TIMEOUT)
+                log.warning(
+                    "Kafka out of reach: a broker did not answer in %.0fs", EVIDENCE_SECONDS
+                )
         elif isinstance(event, SteppedAside) and event.released is not None:
             log.warning(
                 "Kafka does not answer this relay: stepping aside (released shards %s) so that "
                 "the other relays take them, for %.0fs at least",
                 list(event.released),
-                STEP_ASIDE_SECONDS,
+                STEP_ASIDE_AFTER,
             )
 
     def _ended(self, batch: Batch, event: BatchEnded, now: float) -> None:

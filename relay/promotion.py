@@ -10,13 +10,15 @@ two probes of the scheduled index per shard (its due end, and the first entry ah
 A due row another transaction holds locked (a cancel in progress, inside a business
 transaction that may still roll back) is skipped, and so are its key's later due rows
 (:func:`promotable`): promoted past it, they would take lower seqs and go first. The look is
-made again :data:`LOCKED_RELOOK` later, also by an idle relay.
+made again at the next look allowed, also by an idle relay: a cancel that rolls back is sent
+about that long after.
 
-The look is made at most every :data:`PROMOTE_INTERVAL` seconds (a busy relay reads every few
-milliseconds), and at once when the next due time it learned has come or its shards changed.
-An idle relay sleeps no longer than until that time: it wakes for the next due message instead
-of polling for it. When a look was skipped since the last one made (a commit woke the relay:
-it may have scheduled a message due sooner), the sleep ends at the next look allowed.
+The look is made at most every :data:`~outbox.relay.reading.RELOOK_SECONDS` (a busy relay
+reads every few milliseconds), and at once when the next due time it learned has come or its
+shards changed. An idle relay sleeps no longer than until that time: it wakes for the next
+due message instead of polling for it. When a look was skipped since the last one made (a
+commit woke the relay: it may have scheduled a message due sooner), the sleep ends at the
+next look allowed.
 
 Exactly-once needs nothing more: the promotion commits before the read that takes the rows,
 which are then pending rows like any other. A relay killed between the two leaves them pending
@@ -36,21 +38,8 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from outbox.queries import Queries
 from outbox.relay.observability import RelayMetrics
+from outbox.relay.reading import RELOOK_SECONDS
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
-
-#: Least time, in seconds, between two looks for due scheduled rows (but see above): a message
-#: is made pending at most this long after it is due, by a relay that is busy.
-PROMOTE_INTERVAL = 0.1
-#: Most rows made pending by one look; more due are taken by the next look, at once.
-PROMOTE_LIMIT = 1000
-#: An idle relay wakes this long after the next due time: the database's clock decides.
-DUE_SLACK = 0.002
-#: Seconds between two counts of every scheduled row for the gauge (a count of a million
-#: takes a tenth of a second); overdue rows are counted at each refresh.
-COUNT_INTERVAL = 60.0
-#: Seconds before a look again after a due row was skipped, held locked by another
-#: transaction: a cancel that rolls back is sent about this long after.
-LOCKED_RELOOK = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,9 +75,12 @@ class ScheduledPromotion:
         self,
         spec: OutboxTableSpec,
         metrics: RelayMetrics,
-        interval: float = PROMOTE_INTERVAL,
-        limit: int = PROMOTE_LIMIT,
+        interval: float = RELOOK_SECONDS,
+        limit: int = 1000,
     ) -> None:
+        """``interval``: the least time between two looks (a message is made pending at most
+        this long after it is due, by a busy relay); ``limit``: the most rows one look makes
+        pending (the relay's batch size; more due are taken by the next look, at once)."""
         self.queries = Queries(spec)
         self.metrics = metrics
         self.interval = interval
@@ -103,7 +95,6 @@ class ScheduledPromotion:
         self._next_due: float | None = None
         #: A look was skipped since the last one made.
         self._skipped = False
-        self._next_count = float("-inf")
 
     def promote(
         self,
@@ -142,7 +133,7 @@ class ScheduledPromotion:
         if len(due) >= self.limit:
             self._next_due = now  # more are due: the next look takes them
         elif waits:
-            self._next_due = now + max(0.0, waits[0]) + DUE_SLACK
+            self._next_due = now + max(0.0, waits[0])
         if not due:
             return 0
         # One statement per row, in one transaction sent at once: each takes its new seq in
@@ -160,7 +151,7 @@ class ScheduledPromotion:
             promoted = max(0, cursor.rowcount) if going else 0
         if len(going) + len(gone) < len(due):
             # Skipped: held by a transaction that may roll back. Look again soon.
-            relook = now + LOCKED_RELOOK
+            relook = now + self.interval
             self._next_due = relook if self._next_due is None else min(self._next_due, relook)
         self.metrics.promoted.inc(promoted)
         return promoted
@@ -176,15 +167,12 @@ class ScheduledPromotion:
             bounds.append(self._next_look - now)
         return max(0.0, min(bounds))
 
-    def refresh_gauges(self, session: psycopg.Connection, now: float | None = None) -> None:
-        """Count the table's overdue (and, once a minute, all its scheduled) messages into
-        the relay's gauges, on ``session``."""
-        now = time.monotonic() if now is None else now
+    def refresh_gauges(self, session: psycopg.Connection) -> None:
+        """Count the table's overdue and scheduled messages into the relay's gauges, on
+        ``session`` (the gauges' own: a count of a million takes a tenth of a second)."""
         dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
         overdue = str(self.queries["count_overdue"].compile(dialect=dialect))
         row = session.execute(overdue, {"shard_count": SHARD_COUNT}).fetchone()
         self.metrics.scheduled_overdue.set(row[0] if row else 0)
-        if now >= self._next_count:
-            self._next_count = now + COUNT_INTERVAL
-            counted = session.execute(str(self.queries["count_scheduled"])).fetchone()
-            self.metrics.scheduled.set(counted[0] if counted else 0)
+        counted = session.execute(str(self.queries["count_scheduled"])).fetchone()
+        self.metrics.scheduled.set(counted[0] if counted else 0)

@@ -3,20 +3,22 @@
 *Evidence* that the relay reaches Kafka is an acknowledged message, a take-over that fenced
 a shard's last owner, or (while nothing of it waits for Kafka) a broker answering a probe.
 
-- **An outage is Kafka's, not the messages'.** A batch that fails retriably while Kafka took
-  no batch this relay sent after it charges its messages no attempt (a partition that stalls
-  lets the later batches through; an outage does not): they stay
+- **An outage is Kafka's, not the messages'.** A batch that fails retriably charges its
+  messages an attempt only while Kafka goes on taking this relay's later batches: one sent
+  after it was acknowledged, the last ack at most :data:`LIVE_ACK_SECONDS` ago (a partition
+  that stalls lets the later batches through; an outage does not, and a path cut just after
+  an ack leaves that ack seconds old when the batches before it time out). Else they stay
   pending, and the relay sends nothing for a pause (0.5 s doubling to
-  :data:`LONGEST_PAUSE`) before it tries again. So no message nears ``dead`` from an
+  :data:`EVIDENCE_SECONDS`) before it tries again. So no message nears ``dead`` from an
   outage alone, and once Kafka is back what was pending goes within that pause.
 - **Stalled.** Since the relay has had work that Kafka does not answer (a batch in flight
   with nothing acknowledged since it began, an outage pause, a failed take-over), it is
   *stalled*. A relay stalled for :data:`EVIDENCE_SECONDS` does not serve (it lets the other
   relays know through its serving lock); stalled for :data:`STEP_ASIDE_AFTER` it steps aside
   if another relay serves, in either mode: its own path to Kafka may be what is broken.
-- **Stepping aside** lasts :data:`STEP_ASIDE_SECONDS`, doubled at each step aside in a row
-  (up to :data:`LONGEST_STEP_ASIDE`); the relay comes back sooner when no other member is
-  left, or none has served for :data:`EVIDENCE_SECONDS`.
+- **Stepping aside** lasts :data:`STEP_ASIDE_AFTER` (as long as it was stalled), doubled at
+  each step aside in a row (up to :data:`LONGEST_STEP_ASIDE`); the relay comes back sooner
+  when no other member is left, or none has served for :data:`EVIDENCE_SECONDS`.
 - A relay joins the members, or takes free shards, only with fresh evidence (at most
   :data:`EVIDENCE_SECONDS` old): one that cannot publish takes nothing from relays that can.
   An idle relay probes when its evidence is older than that.
@@ -30,14 +32,15 @@ EVIDENCE_SECONDS = 5.0
 #: A relay stalled this long steps aside if another relay serves: long enough that a batch
 #: Kafka is slow to take (a leader moving, a broker restarting) does not move its shards.
 STEP_ASIDE_AFTER = 10.0
-#: Out of the members the first time; doubled at each step aside in a row, up to the
-#: longest: each return costs the healthy relays a hand-over.
-STEP_ASIDE_SECONDS = 10.0
+#: An ack this recent shows Kafka still takes this relay's batches (see the module).
+LIVE_ACK_SECONDS = 1.0
+#: The longest step aside (four doublings of the first): each return costs the healthy relays
+#: a hand-over, and a relay whose own path stays broken comes back only this often.
 LONGEST_STEP_ASIDE = 160.0
-#: The pauses after a failure: sending after a batch failed with no evidence (an outage),
-#: connecting after the database was lost. They double from the first to the longest: what
-#: is pending goes at most the longest after Kafka (or the database) returns.
-LONGEST_PAUSE = 5.0
+#: The first pause after a failure: sending after a batch failed with no evidence (an
+#: outage), connecting after the database was lost, recording rows another transaction
+#: holds locked. Pauses double up to :data:`EVIDENCE_SECONDS`: what is pending goes at most
+#: that long after Kafka (or the database) returns.
 FIRST_PAUSE = 0.5
 
 
@@ -90,12 +93,12 @@ class KafkaReach:
             self.failing_since = now
             self._probe_clears = probe_clears
         self._probe_clears = self._probe_clears and probe_clears
-        self._pause = min(LONGEST_PAUSE, max(FIRST_PAUSE, 2 * self._pause))
+        self._pause = min(EVIDENCE_SECONDS, max(FIRST_PAUSE, 2 * self._pause))
         self.paused_until = now + self._pause
 
     def stepped_aside(self, now: float) -> float:
         """The relay left the members: returns how long it stays out."""
-        pause = min(LONGEST_STEP_ASIDE, STEP_ASIDE_SECONDS * 2.0**self.step_asides)
+        pause = min(LONGEST_STEP_ASIDE, STEP_ASIDE_AFTER * 2.0**self.step_asides)
         self.step_asides += 1
         self.rejoin_at = now + pause
         self._nobody_serving_since = None
@@ -104,9 +107,10 @@ class KafkaReach:
 
     # -- what it decides -------------------------------------------------------------------
 
-    def answered_since(self, sent: float) -> bool:
-        """Whether Kafka took a batch sent after ``sent`` (a failure of that one is its own)."""
-        return self.newest_acked > sent
+    def answered_since(self, sent: float, now: float) -> bool:
+        """Whether Kafka took a batch sent after ``sent`` and still takes them (a failure of
+        that one is its own)."""
+        return self.newest_acked > sent and now - self.last_ack <= LIVE_ACK_SECONDS
 
     def may_send(self, now: float) -> bool:
         return now >= self.paused_until

@@ -11,6 +11,8 @@ A shard a read found empty is not read again until a writer's commit wakes the r
 batch's outcome is recorded (no commit wakes a busy relay), or :data:`RELOOK_SECONDS` passed:
 a relay with batches in flight does not spin on empty shards, and a new row beside them
 waits at most that long.
+
+A batch holds at most :data:`BATCH_BYTES` of records (:func:`within_bytes`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from outbox.rows import PendingRow
 #: (bench.relay_throughput, one relay): four parts send 15-25% more than two, eight or
 #: sixteen about as many as four; one part (a batch at a time) 0.76-0.84 of four.
 PIPELINE_PARTS = 4
+#: The most bytes of records one batch holds: the producer's queue and the relay's memory
+#: stay bounded whatever the batch size and the messages' sizes.
+BATCH_BYTES = 32 * 1024 * 1024
 #: Seconds before a shard found empty is read again while nothing wakes the relay (it has
 #: batches in flight: writers do not notify a busy relay). A new row there waits that long.
 RELOOK_SECONDS = 0.1
@@ -108,3 +113,17 @@ class ReadPlanner:
         if self.exactly_once:
             return 1
         return max(1, -(-owned // PIPELINE_PARTS))
+
+
+def within_bytes(rows: list[PendingRow], room: int) -> list[PendingRow]:
+    """The first of ``rows`` whose records (keys, values, headers) fit in ``room`` bytes, at
+    least one (so that a batch moves)."""
+    total = 0
+    for position, row in enumerate(rows):
+        record = row.record
+        if record is not None:
+            headers = sum(len(name) + len(value or b"") for name, value in record.headers)
+            total += len(record.key or b"") + len(record.value or b"") + headers
+        if total > room and position > 0:
+            return rows[:position]
+    return rows

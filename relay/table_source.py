@@ -32,14 +32,11 @@ from outbox.relay.connections import open_session
 from outbox.relay.observability import RelayMetrics
 from outbox.relay.promotion import ScheduledPromotion
 from outbox.relay.store import RelayStore
-from outbox.relay.wakeup import WakeUp
+from outbox.relay.wakeup import WORKING_PAUSE, WakeUp
 from outbox.rows import PendingRow
 
 log = logging.getLogger("outbox.relay")
 
-#: Longest sleep of an idle relay while an immediate sender holds rows of its shards: the
-#: sender's mark wakes nobody, and the held keys' later rows may go once it lands.
-HELD_RELOOK_SECONDS = 0.05
 #: Seconds between refreshes of the gauges (the oldest pending message, scheduled ones).
 GAUGE_SECONDS = 5.0
 
@@ -51,7 +48,7 @@ class TableSource:
         self.config = config
         self.store = store
         self.metrics = metrics
-        self.promotion = ScheduledPromotion(config.spec, metrics)
+        self.promotion = ScheduledPromotion(config.spec, metrics, limit=config.batch_size)
         self.conn: psycopg.Connection | None = None
         self.owner_key = 0
         self._wake: WakeUp | None = None
@@ -96,7 +93,7 @@ class TableSource:
 
     def read(self, read: Read, owned: Sequence[int]) -> list[PendingRow]:
         """The next rows of ``read.shards``; first the due scheduled rows of the ``owned``
-        shards are made pending (at most every PROMOTE_INTERVAL)."""
+        shards are made pending (at most every RELOOK_SECONDS)."""
         assert self.conn is not None
         self._owned = tuple(owned)
         new = [shard for shard in read.shards if shard not in self._seen]
@@ -124,12 +121,13 @@ class TableSource:
 
     def sleep(self, timeout: float) -> bool:
         """Nothing to do: sleep watched, up to ``timeout`` (cut to the next due scheduled
-        message, and to :data:`HELD_RELOOK_SECONDS` while an immediate sender holds rows of
-        the owned shards). Returns whether to look again at once (woken)."""
+        message, and to :data:`~outbox.relay.wakeup.WORKING_PAUSE` while an immediate sender
+        holds rows of the owned shards). Returns whether to look again at once (woken)."""
         assert self._wake is not None and self.conn is not None
         timeout = self.promotion.sleep_bound(timeout)
-        if timeout > HELD_RELOOK_SECONDS and self.store.leases_held(self._owned, self.conn):
-            timeout = HELD_RELOOK_SECONDS
+        # The immediate sender's mark wakes nobody: look as often as while another relay works.
+        if timeout > WORKING_PAUSE and self.store.leases_held(self._owned, self.conn):
+            timeout = WORKING_PAUSE
         return self._wake.idle(timeout)
 
     def forget(self) -> None:

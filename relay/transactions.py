@@ -48,11 +48,6 @@ TRANSACTION_LINGER_MS = 5
 #: Kafka out of reach, the take-over fails after this long and is tried again at a later
 #: rebalance: an outage costs at most this long after Kafka returns, not librdkafka's minute.
 INIT_TIMEOUT = 10.0
-#: Seconds each commit_transaction / abort_transaction call may take. A call that timed out
-#: is made again (librdkafka requires it: until the same call completes, every other
-#: transactional call fails) until the transaction's own timeout would have ended it, or a
-#: shutdown gives up; then the shard is let go.
-FINISH_CALL_TIMEOUT = 10.0
 
 _FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 
@@ -396,7 +391,10 @@ class ExactlyOnceSender:
         how it ended and, when a commit could not be made, why."""
         why: KafkaError | None = None
         while True:
-            timeout = min(FINISH_CALL_TIMEOUT, expires - self.clock())
+            # Each call may take as long as an init; one that timed out is made again (librdkafka
+            # requires it: until the same call completes, every other transactional call
+            # fails) until the transaction's own timeout would have ended it.
+            timeout = min(INIT_TIMEOUT, expires - self.clock())
             if timeout <= 0:
                 log.warning("transaction not finished before its timeout")
                 return Outcome.LOST, why

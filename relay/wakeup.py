@@ -23,7 +23,7 @@ table's *wake lock* (an advisory lock, see ``OutboxTableSpec.wake_lock``) says w
   shards waits that long at most, never their poll interval), not at the short pauses that
   writers mid-transaction call for. A relay that gets work while the watcher sleeps is
   refused the shared hold: it NOTIFYs ``working`` (at most every
-  :data:`WORKING_NOTICE_INTERVAL`), the watcher lets the wake lock go, and the busy relay
+  :data:`MAX_SETTLE_PAUSE`), the watcher lets the wake lock go, and the busy relay
   takes its shared hold at its next turn. The watcher takes the wake lock only while no
   relay holds the work lock, so it does not take it back meanwhile.
 * A relay that can serve no commit (it owns no shard, or stepped aside) holds nothing
@@ -40,18 +40,16 @@ import psycopg
 
 from outbox.schema import OutboxTableSpec
 
-#: Pause, in seconds, before trying again to take the wake lock from writers; writers
+#: First pause, in seconds, before trying again to take the wake lock from writers; writers
 #: usually commit within a few milliseconds, and rows they commit meanwhile wait this long.
+#: It doubles at each try.
 SETTLE_PAUSE = 0.001
-#: Tries at that pause before the pause doubles.
-SHORT_SETTLE_TRIES = 10
 #: Longest pause: a transaction left open after inserting, or another relay at work, keeps
-#: an idle relay looking this often.
+#: an idle relay looking this often. Also the least time between two NOTIFYs a relay that
+#: got work sends when the sleeping watcher refuses it the shared hold.
 MAX_SETTLE_PAUSE = 0.05
-#: Payload of the NOTIFY a relay that got work sends when the sleeping watcher refuses it
-#: the shared hold, and the least time between two of them.
+#: Payload of that NOTIFY.
 WORKING = "working"
-WORKING_NOTICE_INTERVAL = 0.02
 #: Pause, in seconds, between the looks of an idle relay while another relay works (it
 #: cannot sleep then, and the rows of its shards wait this long at most).
 WORKING_PAUSE = MAX_SETTLE_PAUSE
@@ -146,7 +144,7 @@ class WakeUp:
         # refused while the watcher sleeps: then tell it that a relay works (it lets the
         # lock go), and try again at the next turn.
         now = time.monotonic()
-        notice = now - self._noticed_at >= WORKING_NOTICE_INTERVAL
+        notice = now - self._noticed_at >= MAX_SETTLE_PAUSE
         row = self.conn.execute(
             "SELECT held, CASE WHEN NOT held AND %(notice)s "
             "THEN pg_notify(%(channel)s, %(payload)s)::text END "
@@ -225,8 +223,6 @@ class WakeUp:
 
 
 def settle_pause(tries: int) -> float:
-    """The pause after ``tries`` failed tries to take the wake lock: short at first, then
+    """The pause after ``tries`` failed tries to take the wake lock: :data:`SETTLE_PAUSE`,
     doubling up to :data:`MAX_SETTLE_PAUSE`."""
-    if tries <= SHORT_SETTLE_TRIES:
-        return SETTLE_PAUSE
-    return min(MAX_SETTLE_PAUSE, SETTLE_PAUSE * 2.0 ** (tries - SHORT_SETTLE_TRIES))
+    return min(MAX_SETTLE_PAUSE, SETTLE_PAUSE * 2.0 ** max(0, tries - 1))

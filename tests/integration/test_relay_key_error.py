@@ -26,11 +26,6 @@ def attempts(engine: sa.Engine, message_id: uuid.UUID) -> int:
         return int(conn.execute(query, {"id": message_id}).scalar_one())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the locked row's batch, recorded once the lock goes, forgets the failing row that "
-    "is in flight again, and that row's next failure ends run() with a KeyError",
-)
 def test_a_locked_row_beside_a_row_that_fails_retriably_does_not_end_the_relay(  # type: ignore[no-untyped-def]
     engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
 ) -> None:

@@ -24,11 +24,6 @@ AFTER_RETURN_BOUND = 10.0
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="each delivery timeout of an outage charges every message in flight an attempt "
-    "(5 or 6 over a 20 s outage at 4 s), as if the failure were the message's",
-)
 def test_an_outage_longer_than_the_delivery_timeout_ages_no_message(  # type: ignore[no-untyped-def]
     engine: sa.Engine, outbox_url: str, faulty_kafka: FaultProxy, make_topic, mode: str
 ) -> None:

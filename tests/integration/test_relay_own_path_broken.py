@@ -22,11 +22,6 @@ DELIVERY_TIMEOUT_MS = 30_000
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="a relay that owns its full share probes Kafka only when it lacks shards (and "
-    "at-least-once never steps aside): it keeps its shards while its batches time out",
-)
 def test_a_relay_whose_path_to_kafka_breaks_hands_its_full_share_over(  # type: ignore[no-untyped-def]
     engine: sa.Engine,
     outbox_url: str,

@@ -27,11 +27,6 @@ SMALL = 400
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="the broker refuses the large message's whole record batch and the relay marks "
-    "every message of it dead as message_too_large, the small ones beside it too",
-)
 def test_only_the_message_too_large_for_its_topic_goes_dead(  # type: ignore[no-untyped-def]
     engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic, mode: str
 ) -> None:

@@ -19,11 +19,6 @@ pytestmark = pytest.mark.integration
 ROWS = 20_000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the progress record of a 20,000-row batch is over 1 MB: its produce fails, the "
-    "transaction aborts with nothing counted, and the same batch is tried again for ever",
-)
 def test_a_batch_of_twenty_thousand_rows_of_one_shard_is_sent(  # type: ignore[no-untyped-def]
     engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
 ) -> None:
@@ -48,11 +43,6 @@ def test_a_batch_of_twenty_thousand_rows_of_one_shard_is_sent(  # type: ignore[n
         wait_until(sent, 90, f"the {ROWS} rows sent")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a transaction aborted for its progress record counts no attempt and no metric: "
-    "the failure repeats with nothing on /metrics to show it",
-)
 def test_a_transaction_that_keeps_failing_is_counted_on_the_metrics(  # type: ignore[no-untyped-def]
     engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
 ) -> None:

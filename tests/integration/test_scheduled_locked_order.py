@@ -22,11 +22,6 @@ FIRST_DUE = 1.5
 GAP = 0.7
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the promotion passes over the first message, locked by the cancel, and makes the "
-    "key's later-due message pending in the same look: the first goes after it",
-)
 def test_scheduled_messages_of_a_key_go_in_deliver_at_order_past_a_cancel_rolled_back(  # type: ignore[no-untyped-def]
     engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
 ) -> None:

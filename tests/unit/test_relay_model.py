@@ -122,7 +122,7 @@ def _dead_at_once(retry: Any) -> Any:
 
 
 def _always_answered(_: Any) -> Any:
-    return lambda self, sent: True
+    return lambda self, sent, now: True
 
 
 def _skip_suspects(cut: Any) -> Any:
