@@ -7,7 +7,9 @@ a shard's last owner, or (while nothing of it waits for Kafka) a broker answerin
   messages an attempt only while Kafka goes on taking this relay's later batches: one sent
   after it was acknowledged, the last ack at most :data:`LIVE_ACK_SECONDS` ago (a partition
   that stalls lets the later batches through; an outage does not, and a path cut just after
-  an ack leaves that ack seconds old when the batches before it time out). Else they stay
+  an ack leaves that ack seconds old when the batches before it time out), and never for a
+  batch sent while the relay was failing (into an outage: after it, a producer still
+  reconnecting fails its batch while others' are taken). Else they stay
   pending, and the relay sends nothing for a pause (0.5 s doubling to
   :data:`EVIDENCE_SECONDS`) before it tries again. So no message nears ``dead`` from an
   outage alone, and once Kafka is back what was pending goes within that pause.
@@ -56,6 +58,8 @@ class KafkaReach:
         self.probing = False
         #: Since when a failure with no evidence (an outage, a failed take-over) holds.
         self.failing_since: float | None = None
+        #: The last failure that ended: batches sent within it were sent into an outage.
+        self._last_failure = (float("inf"), float("-inf"))
         self._probe_clears = True
         self._pause = 0.0
         self.paused_until = float("-inf")
@@ -71,7 +75,7 @@ class KafkaReach:
         self.last_ack = now
         if sent is not None:
             self.newest_acked = max(self.newest_acked, sent)
-        self.failing_since = None
+        self._failure_ended(now)
         self._pause = 0.0
         self.paused_until = float("-inf")
         self.step_asides = 0
@@ -83,7 +87,7 @@ class KafkaReach:
         if reached:
             self.last_probe = now
             if idle and self._probe_clears:
-                self.failing_since = None
+                self._failure_ended(now)
 
     def failed(self, now: float, probe_clears: bool) -> None:
         """A batch or a take-over failed with no evidence since it began: pause sending.
@@ -102,14 +106,24 @@ class KafkaReach:
         self.step_asides += 1
         self.rejoin_at = now + pause
         self._nobody_serving_since = None
-        self.failing_since = None
+        self._failure_ended(now)
         return pause
+
+    def _failure_ended(self, now: float) -> None:
+        if self.failing_since is not None:
+            self._last_failure = (self.failing_since, now)
+        self.failing_since = None
 
     # -- what it decides -------------------------------------------------------------------
 
     def answered_since(self, sent: float, now: float) -> bool:
         """Whether Kafka took a batch sent after ``sent`` and still takes them (a failure of
         that one is its own)."""
+        began, ended = self._last_failure
+        if began <= sent <= ended or (
+            self.failing_since is not None and sent >= self.failing_since
+        ):
+            return False  # sent into an outage
         return self.newest_acked > sent and now - self.last_ack <= LIVE_ACK_SECONDS
 
     def may_send(self, now: float) -> bool:
