@@ -19,11 +19,10 @@ What it keeps:
 - **A refusal judged alone.** A message the broker refused for its size or content together
   with others (the whole request is refused) is a *suspect*: it is sent again alone, and only
   a refusal of it alone makes it dead. Its key's later messages wait behind it.
-- **Kafka's failures are not the messages'.** See :mod:`outbox.relay.reach`.
-- **Bounded batches.** A batch holds at most
-  :data:`~outbox.relay.reading.BATCH_BYTES` of records, and an
-  exactly-once transaction at most :data:`PROGRESS_ACKS` messages (its progress record lists
-  them all, and a record has a size limit).
+- **Kafka's failures are not the messages'.** :mod:`outbox.relay.reach`.
+- **Bounded batches.** A batch holds at most :data:`~outbox.relay.reading.BATCH_BYTES` of
+  records, an exactly-once transaction at most :data:`PROGRESS_ACKS` messages (its progress
+  record lists them all, and a record has a size limit).
 """
 
 from __future__ import annotations
@@ -317,9 +316,11 @@ class RelayCore:
         # Kafka takes the batches sent after this one: a failure is the message's own (a
         # partition of its stalled, say). Else it is an outage: nothing is charged.
         evidence = self.reach.answered_since(batch.started, now)
-        if result.acks:
-            self.reach.reached(now, sent=batch.started)
         lost = set(result.lost_shards) & self.owned
+        # A lost shard's late delivery reports are no acks: its next owner's take-over says.
+        acks = [ack for ack in result.acks if ack.id in rows and rows[ack.id].shard not in lost]
+        if acks:
+            self.reach.reached(now, sent=batch.started)
         failures = [f for f in batch.failures if rows[f.id].shard not in lost]
         unanswered = False
         for record_id, error in result.errors.items():
@@ -338,15 +339,15 @@ class RelayCore:
                     unanswered = True
             else:
                 failures.append(Failure(row.id, kind, error.str(), None))
-        for done in [*(ack.id for ack in result.acks), *(f.id for f in failures)]:
+        for done in [*(ack.id for ack in acks), *(f.id for f in failures)]:
             self.suspects.pop(done, None)
         if result.batch_error is not None and classify(result.batch_error) != RETRIABLE:
             self._halve(batch)
-        elif result.acks:
+        elif acks:
             for shard in batch.shards:
                 self.caps.pop(shard, None)
         whole = result.batch_error
-        if unanswered or (whole is not None and classify(whole) == RETRIABLE and not result.acks):
+        if unanswered or (whole is not None and classify(whole) == RETRIABLE and not acks):
             self.reach.failed(now, probe_clears=True)
         if lost:
             self.owned -= lost
@@ -356,11 +357,10 @@ class RelayCore:
                 if shard in lost:
                     del self.suspects[suspect]
             commands.append(LetGo(tuple(sorted(lost))))
-            # Not taken back before evidence would be stale: its take-over may block while Kafka
-            # is unwell, and another relay may serve it meanwhile.
+            # Its take-over may block while Kafka is unwell; another relay may serve it.
             commands.append(Release(tuple(sorted(lost)), EVIDENCE_SECONDS))
         holds = {shard for shard in batch.shards if self.busy.get(shard) == batch.number}
-        recording = self._record(holds, list(result.acks), failures, _shards_of(batch), batch, now)
+        recording = self._record(holds, acks, failures, _shards_of(batch), batch, now)
         return commands + recording
 
     def _halve(self, batch: Batch) -> None:

@@ -235,7 +235,10 @@ class Relay:
             self._connect()
             self._turn()
             self._pause = FIRST_PAUSE
-        except (psycopg.OperationalError, sa_exc.OperationalError, sa_exc.InterfaceError) as error:
+        except (psycopg.Error, sa_exc.DBAPIError, sa_exc.InterfaceError) as error:
+            # Any database error, not only a lost connection: a server that refuses writes
+            # (a demoted primary), a grant revoked. The relay lets its shards go and tries
+            # again; a server that takes its statements again finds it back.
             self._lost_database(error)
             self._stop.wait(self._pause)
             self._pause = min(EVIDENCE_SECONDS, self._pause * 2)
@@ -425,7 +428,11 @@ class Relay:
     _connected = False
 
     def _lost_database(self, error: Exception) -> None:
-        log.error("database unreachable: %s", mask_secrets(str(error).splitlines()[0]))
+        log.error(
+            "database unreachable or refusing the relay (%s): %s",
+            type(error).__name__,
+            mask_secrets((str(error).splitlines() or [""])[0]),
+        )
         self._connected = False
         self.health.database_ok = False
         if self.driver is not None:

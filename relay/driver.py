@@ -180,7 +180,12 @@ class Driver:
 
     def _probe(self) -> None:
         def probe() -> None:
-            self.post(Probed(self.sender.probe(EVIDENCE_SECONDS)))
+            try:
+                reached = self.sender.probe(EVIDENCE_SECONDS)
+            except Exception:  # a probe that fails in any way did not reach
+                log.exception("probing Kafka failed")
+                reached = False
+            self.post(Probed(reached))
 
         self.background.submit(probe)
 

@@ -87,17 +87,21 @@ class TopicLimits:
 
     def _from_brokers(self, topic: str) -> int | None:
         settings: dict[str, Any] = {**self._config, "logger": KAFKA_LOG}
-        admin = AdminClient(settings)
+        admin: AdminClient | None = None
         try:
+            admin = AdminClient(settings)
             resource = ConfigResource("topic", topic)
             found = admin.describe_configs([resource], request_timeout=10)[resource].result(15)
             entry = found.get("max.message.bytes")
             return int(entry.value) if entry is not None and entry.value else None
-        except (KafkaException, ValueError) as error:
+        except Exception as error:  # any failure (a timeout is the built-in
+            # TimeoutError) leaves the limit unknown: the topic's batches must not wait for
+            # an answer that will not come.
             log.info("the limit of topic %s is unknown: %s", topic, error)
             return None
         finally:
-            admin.poll(0)
+            if admin is not None:
+                admin.poll(0)
 
 
 def batch_room(limit: int) -> int:

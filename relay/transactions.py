@@ -128,6 +128,9 @@ class ExactlyOnceSender:
         self._progress_config = {**consumer_config, "fetch.wait.max.ms": 10}
         self._progress = consumer_factory(self._progress_config)
         self._progress_lock = threading.Lock()
+        #: Held while a shard's producer is let go or replaced: a producer made again after
+        #: its shard was let go would send for a shard another relay may own.
+        self._swap_lock = threading.Lock()
         #: Producers let go of, closed off the loop (a flush can wait while brokers are down).
         self._closing: queue.SimpleQueue[tuple[int, Producer] | None] = queue.SimpleQueue()
         self._closer: threading.Thread | None = None
@@ -215,8 +218,12 @@ class ExactlyOnceSender:
         return {shard: list(acks) for shard, acks in found.items()}
 
     def let_go(self, shards: Sequence[int]) -> None:
-        for shard in shards:
-            producer = self.producers.pop(shard, None)
+        with self._swap_lock:
+            dropped = [(shard, self.producers.pop(shard, None)) for shard in shards]
+        self._retire(dropped)
+
+    def _retire(self, dropped: Sequence[tuple[int, Producer | None]]) -> None:
+        for shard, producer in dropped:
             if producer is not None:
                 self._closing.put((shard, producer))
         if self._closer is None:
@@ -303,8 +310,16 @@ class ExactlyOnceSender:
                 fresh = self._fenced_producer(shard)
             except KafkaException as exc:
                 return self._lost(shard, producer, records, result, exc.args[0])
-            self.let_go([shard])
-            self.producers[shard] = fresh
+            with self._swap_lock:
+                kept = self.producers.get(shard) is producer
+                if kept:
+                    self.producers[shard] = fresh
+            if not kept:  # let go while the new one was made: send nothing with it
+                self._retire([(shard, fresh)])
+                result.not_attempted.extend(r.id for r in records)
+                result.lost_shards.append(shard)
+                return result
+            self._retire([(shard, producer)])
             self._made_with[shard] = self.batch_bytes
             producer = fresh
         try:
