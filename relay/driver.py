@@ -215,7 +215,10 @@ class Driver:
                 log.warning(
                     "Kafka out of reach: a broker did not answer in %.0fs", EVIDENCE_SECONDS
                 )
+        elif isinstance(event, Rebalanced) and event.joined:
+            self.health.stepped_aside = False
         elif isinstance(event, SteppedAside) and event.released is not None:
+            self.health.stepped_aside = True  # not ready until it joins the members again
             log.warning(
                 "Kafka does not answer this relay: stepping aside (released shards %s) so that "
                 "the other relays take them, for %.0fs at least",

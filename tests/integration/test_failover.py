@@ -294,12 +294,6 @@ def test_the_cli_and_the_migrations_work_through_the_url_after_a_promotion(
 
 
 @pytest.mark.parametrize("form", ["sqlalchemy", "libpq"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="the relay's own sessions (relay/sessions.py) connect to the URL's single host and "
-    "port (localhost:5432 when the hosts are in the query): a multi-host URL never reaches "
-    "the database",
-)
 def test_a_relay_on_the_multi_host_url_resumes_after_a_promotion(
     standing: LocalStack,
     failover_url: str,
@@ -407,7 +401,7 @@ def test_exactly_once_recovery_marks_what_the_topics_hold_after_the_standby_miss
     prefix = f"fo-{uuid.uuid4().hex[:8]}"
 
     def relay_on(server: PostgresServer) -> RelayConfig:
-        # The primary's own address: the relay does not take a multi-host URL (see above).
+        # The primary's own address, each time (the multi-host URL is tested above).
         return relay_config(
             server.url(sa.make_url(failover_url).database or "postgres"),
             bootstrap_servers,

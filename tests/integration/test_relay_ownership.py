@@ -1,5 +1,6 @@
 """Shard ownership after a relay gives a shard up: the advisory lock goes with it, so the shard
-is never left locked by a relay that no longer sends it."""
+is never left locked by a relay that no longer sends it; and the leases' rebalance locks
+exactly the shards it reports."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
 from outbox import Message, Outbox
+from outbox.relay.commands import Rebalance, Rebalanced
 from outbox.relay.daemon import Relay
-from outbox.relay.producers import ExactlyOncePublisher
+from outbox.relay.leases import Leases
 from outbox.relay.progress import ensure_progress_topic
-from outbox.schema import SHARD_COUNT, shard_of
+from outbox.relay.transactions import ExactlyOnceSender
+from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
 from tests.relay_helpers import relay_config, running_relay, wait_for
 
 pytestmark = pytest.mark.integration
@@ -32,7 +37,7 @@ def key_of_shard(shard: int) -> str:
 
 
 def owned(relay: Relay) -> set[int]:
-    return set(relay._ownership.owned) if relay._ownership is not None else set()
+    return set(relay.owned_shards)
 
 
 def unsent(engine: sa.Engine) -> int:
@@ -42,9 +47,29 @@ def unsent(engine: sa.Engine) -> int:
         )
 
 
+def readyz(relay: Relay) -> tuple[int, str]:
+    """The status and body of the relay's /readyz (0: not served yet)."""
+    if relay.metrics_server_port is None:
+        return 0, ""
+    url = f"http://127.0.0.1:{relay.metrics_server_port}/readyz"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def holds_for(check: Callable[[], bool], seconds: float, what: str) -> None:
+    """``check()`` stays true, looked at every 0.2 s, for ``seconds``."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        assert check(), what
+        time.sleep(0.2)
+
+
 def test_a_shard_given_up_after_its_producer_was_fenced_is_unlocked(
-    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
-) -> None:  # type: ignore[no-untyped-def]
+    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic: Callable[..., str]
+) -> None:
     topic = make_topic("orphan")
     prefix = f"orphan-{uuid.uuid4().hex[:8]}"
     progress = f"p-{prefix}"
@@ -68,7 +93,7 @@ def test_a_shard_given_up_after_its_producer_was_fenced_is_unlocked(
         publish(10)
         wait_for(lambda: unsent(engine) == 0, 30, "the first messages sent")
         # Something else opens the shard's transactional id: the relay's producer is fenced.
-        intruder = ExactlyOncePublisher(
+        intruder = ExactlyOnceSender(
             {"bootstrap.servers": bootstrap_servers},
             transactional_id_prefix=prefix,
             progress_topic=progress,
@@ -95,8 +120,8 @@ def test_a_shard_given_up_after_its_producer_was_fenced_is_unlocked(
 
 
 def test_a_relay_that_cannot_reach_kafka_takes_no_shards_and_is_not_ready(
-    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
-) -> None:  # type: ignore[no-untyped-def]
+    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic: Callable[..., str]
+) -> None:
     from outbox.devstack.procs import free_port
 
     topic = make_topic("unreachable")
@@ -105,72 +130,91 @@ def test_a_relay_that_cannot_reach_kafka_takes_no_shards_and_is_not_ready(
     with running_relay(healthy) as first:
         wait_for(lambda: len(owned(first)) == SHARD_COUNT, 60, "the healthy relay to own all")
         with running_relay(cut_off) as second:
-            wait_for(lambda: second.health.database_ok, 30, "the second relay connected")
-            for _ in range(3):  # a few rebalance rounds of both
-                time.sleep(1.0)
-                assert len(owned(first)) == SHARD_COUNT and not owned(second)
-            ready = urllib.request.Request(f"http://127.0.0.1:{second.metrics_server_port}/readyz")
-            with pytest.raises(urllib.error.HTTPError) as answer:
-                urllib.request.urlopen(ready, timeout=5)
-            assert answer.value.code == 503
-            assert b"Kafka out of reach" in answer.value.read()
+            wait_for(
+                lambda: readyz(second)[0] == 503 and "database" not in readyz(second)[1],
+                30,
+                "the second relay connected to the database",
+            )
+            holds_for(  # a good many rebalance rounds of both (every 0.2 s)
+                lambda: len(owned(first)) == SHARD_COUNT and not owned(second),
+                3.0,
+                "the cut-off relay took shards from the healthy one",
+            )
+            status, body = readyz(second)
+            assert status == 503 and "Kafka out of reach" in body, body
             with Outbox(engine).transaction() as tx:
                 tx.publish_many([Message(topic, {"n": n}, key=f"k{n}") for n in range(50)])
             wait_for(lambda: unsent(engine) == 0, 30, "every message sent by the healthy relay")
+            assert not owned(second)
+
+
+def owner_session(outbox_url: str) -> Callable[[], psycopg.Connection]:
+    url = sa.make_url(outbox_url).set(drivername="postgresql")
+    conninfo = url.render_as_string(hide_password=False)
+    return lambda: psycopg.connect(conninfo, autocommit=True)
+
+
+def rebalance(leases: Leases, *, join: bool = False, may_gain: bool = True) -> Rebalanced:
+    """A rebalance as the relay's core asks it of an idle relay: any owned shard may go."""
+    return leases.rebalance(Rebalance(tuple(sorted(leases.owned)), may_gain=may_gain, join=join))
 
 
 def test_a_shard_let_go_with_a_hold_off_is_not_locked_again_until_it_ends(
     outbox_url: str,
 ) -> None:
-    import psycopg
-
-    from outbox.relay.ownership import ShardOwnership
-    from outbox.schema import DEFAULT_SPEC
-
-    url = sa.make_url(outbox_url).set(drivername="postgresql")
-    with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
-        ownership = ShardOwnership(conn, DEFAULT_SPEC, member_number=1)
-        ownership.join()
-        assert len(ownership.rebalance()[0]) == SHARD_COUNT
-        ownership.release([3], hold_off=1.0)
-        assert 3 not in ownership.owned
-        assert ownership.rebalance() == ([], [])  # free, but held off
-        time.sleep(1.1)
-        assert ownership.rebalance() == ([3], [])
+    leases = Leases(DEFAULT_SPEC, owner_session(outbox_url))
+    leases.member_number = 1
+    leases.connect()
+    try:
+        assert len(rebalance(leases, join=True).gained) == SHARD_COUNT
+        released = time.monotonic()
+        leases.release([3], hold_off=1.0)
+        assert 3 not in leases.owned
+        tries = 0
+        while not (gained := rebalance(leases)).gained:  # free, but held off
+            assert gained.lost == ()
+            tries += 1
+            assert time.monotonic() - released < 5, "the held-off shard was never taken again"
+            time.sleep(0.05)
+        assert gained.gained == (3,) and gained.lost == ()
+        assert time.monotonic() - released >= 1.0, "locked again before its hold-off ended"
+        assert tries > 0
+    finally:
+        leases.forget()
 
 
 def test_a_rebalance_locks_exactly_the_shards_it_reports_and_no_more(outbox_url: str) -> None:
     """The share's free shards are tried in one pipelined round trip; a shard another
     relay holds is left alone, and no lock is taken beyond the share."""
-    import psycopg
-
-    from outbox.relay.ownership import ShardOwnership
-    from outbox.schema import DEFAULT_SPEC
-
-    url = sa.make_url(outbox_url).set(drivername="postgresql").render_as_string(False)
-    with (
-        psycopg.connect(url, autocommit=True) as first_conn,
-        psycopg.connect(url, autocommit=True) as second_conn,
-    ):
-        first = ShardOwnership(first_conn, DEFAULT_SPEC, member_number=5)
-        first.join()
-        assert len(first.rebalance()[0]) == SHARD_COUNT  # alone: every shard
-        second = ShardOwnership(second_conn, DEFAULT_SPEC, member_number=9)
-        second.join()
+    first = Leases(DEFAULT_SPEC, owner_session(outbox_url))
+    second = Leases(DEFAULT_SPEC, owner_session(outbox_url))
+    first.member_number, second.member_number = 5, 9
+    first.connect()
+    second.connect()
+    try:
+        assert len(rebalance(first, join=True).gained) == SHARD_COUNT  # alone: every shard
+        joined = rebalance(second, join=True, may_gain=False)
+        assert joined.joined and joined.gained == () and joined.other_members == 1
         # Two members now: the first lets go of the shards above its half...
-        gained, let_go = first.rebalance()
-        assert gained == [] and len(let_go) == SHARD_COUNT // 2
+        let_go = rebalance(first)
+        assert let_go.gained == () and len(let_go.lost) == SHARD_COUNT // 2
         # ...and the second takes exactly those, without touching the first's.
-        assert second.rebalance() == (let_go, [])
-        for ownership, conn in ((first, first_conn), (second, second_conn)):
+        taken = rebalance(second)
+        assert (taken.gained, taken.lost) == (tuple(sorted(let_go.lost)), ())
+        for leases in (first, second):
+            assert leases.conn is not None
             held = {
                 int(row[0])
-                for row in conn.execute(
+                for row in leases.conn.execute(
                     "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND granted"
                     " AND objsubid = 2 AND classid = %s::bigint::oid AND pid = pg_backend_pid()",
                     (DEFAULT_SPEC.lock_space("shard"),),
                 )
             }
-            assert held == ownership.owned
-        assert first.owned.isdisjoint(second.owned) and second.owned == set(let_go)
-        assert second.rebalance() == ([], [])  # its share is full: it tries nothing more
+            assert held == leases.owned
+        assert first.owned.isdisjoint(second.owned) and second.owned == set(let_go.lost)
+        again = rebalance(second)  # its share is full: it tries nothing more
+        assert (again.gained, again.lost) == ((), ())
+    finally:
+        first.forget()
+        second.forget()

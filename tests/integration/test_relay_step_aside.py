@@ -3,17 +3,19 @@ its shards to a relay that can still publish."""
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka import Producer
 
 from outbox.chaos.proxy import FaultProxy
 from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.topics import consume_messages
-from outbox.relay import marking, producers
+from outbox.relay import core, transactions
 from outbox.relay.config import EXACTLY_ONCE, RelayConfig
 from outbox.relay.daemon import Relay
 from outbox.schema import SHARD_COUNT
@@ -21,13 +23,17 @@ from tests.relay_helpers import looping, message_id, publish_orders, statuses, w
 
 pytestmark = pytest.mark.integration
 
-#: The take-over's wait for a transactional producer's start, shortened from 60 s.
-INIT_TIMEOUT = 3.0
 
-
-class QuickInitProducer(Producer):
-    def init_transactions(self, *timeout: float) -> None:
-        super().init_transactions(min(INIT_TIMEOUT, *timeout) if timeout else INIT_TIMEOUT)
+def readyz(relay: Relay) -> tuple[int, str]:
+    """The status and body of the relay's /readyz (0: not served yet)."""
+    if relay.metrics_server_port is None:
+        return 0, ""
+    url = f"http://127.0.0.1:{relay.metrics_server_port}/readyz"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
 
 def test_a_relay_whose_path_to_kafka_breaks_hands_its_shards_to_one_that_can_publish(
@@ -35,13 +41,15 @@ def test_a_relay_whose_path_to_kafka_breaks_hands_its_shards_to_one_that_can_pub
     outbox_url: str,
     kafka_broker: KafkaBroker,
     faulty_kafka: FaultProxy,
-    make_topic,  # type: ignore[no-untyped-def]
+    make_topic: Callable[..., str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without stepping aside, the broken relay locks its share again at every rebalance,
     fails to take it over, and the messages of half the shards wait for its path to heal."""
-    monkeypatch.setattr(producers, "Producer", QuickInitProducer)
-    monkeypatch.setattr(marking, "LOST_SHARD_HOLD_OFF", 0.5)
+    # The take-over's wait for a transactional producer's start, and the hold-off before a
+    # lost shard is taken back, shortened.
+    monkeypatch.setattr(transactions, "INIT_TIMEOUT", 3.0)
+    monkeypatch.setattr(core, "EVIDENCE_SECONDS", 0.5)  # the lost shard's hold-off
     topic = make_topic("step-aside", partitions=3)
     prefix = f"step-aside-{uuid.uuid4().hex[:6]}"
 
@@ -56,31 +64,35 @@ def test_a_relay_whose_path_to_kafka_breaks_hands_its_shards_to_one_that_can_pub
             delivery_timeout_ms=4000,
             transactional_id_prefix=prefix,
             progress_topic=f"{prefix}-progress",
+            metrics_port=0,
         )
 
     healthy = Relay(config(kafka_broker.bootstrap_servers))
     broken = Relay(config(f"127.0.0.1:{faulty_kafka.listen_port}"))
     with looping(healthy):
+        wait_for(lambda: readyz(healthy)[0] == 200, 60, "the healthy relay ready")
         wait_for(
-            lambda: healthy._ownership is not None and healthy._ownership.serving,
-            60,
-            "the healthy relay serving",
+            lambda: len(healthy.owned_shards) == SHARD_COUNT, 60, "the healthy relay owning all"
         )
         with looping(broken):
-            wait_for(
-                lambda: broken._ownership is not None and len(broken._ownership.owned) > 0,
-                60,
-                "the other relay owning its share",
-            )
+            wait_for(lambda: len(broken.owned_shards) > 0, 60, "the other relay owning its share")
+            wait_for(lambda: readyz(broken)[0] == 200, 60, "the other relay ready")
             first = publish_orders(engine, topic, 200, keys=50)
             wait_for(lambda: statuses(engine) == {"sent": 200}, 60, "the first messages sent")
+            assert healthy.owned_shards and broken.owned_shards  # both sent their share
             faulty_kafka.stall()  # the broken relay's path only
             later = publish_orders(engine, topic, 400, keys=50, start=200)
-            wait_for(lambda: broken.health.stepped_aside, 90, "the broken relay stepping aside")
+            wait_for(
+                lambda: not broken.owned_shards and len(healthy.owned_shards) == SHARD_COUNT,
+                90,
+                "the broken relay to step aside and the healthy one to take its shards",
+            )
+            status, body = readyz(broken)
+            assert status == 503 and "stepped aside" in body, (status, body)
             wait_for(lambda: statuses(engine) == {"sent": 600}, 60, "every message sent")
-            assert healthy._ownership is not None
-            assert len(healthy._ownership.owned) == SHARD_COUNT
-            assert not broken.health.ready
+            assert len(healthy.owned_shards) == SHARD_COUNT and not broken.owned_shards
+            status, body = readyz(broken)
+            assert status == 503 and "stepped aside" in body, (status, body)
     faulty_kafka.heal()
     on_topic = consume_messages(kafka_broker.bootstrap_servers, topic, expect=600, timeout=30)
     copies = Counter(message_id(record) for record in on_topic)
