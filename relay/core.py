@@ -260,9 +260,8 @@ class RelayCore:
             commands.extend(self._start(within_bytes(part, BATCH_BYTES), now, isolated=False))
         for row in alone:
             commands.extend(self._start([row], now, isolated=True))
-        # A shard read that sends nothing now is looked at again later, not at once: every
-        # read makes its shards busy or waits for them.
-        self.reads.looked([shard for shard in read.shards if shard not in self.busy], now)
+        # A shard read that sends nothing now is looked at again later, not at once.
+        self.reads.looked(read, rows, self.busy.keys(), now)
         return commands
 
     def _cut(

@@ -18,7 +18,7 @@ A batch holds at most :data:`BATCH_BYTES` of records (:func:`within_bytes`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from outbox.relay.commands import Read
 from outbox.rows import PendingRow
@@ -82,17 +82,22 @@ class ReadPlanner:
     def read(self, read: Read, rows: Sequence[PendingRow], now: float) -> None:
         """Note what ``read`` found: its empty shards wait, a full read means a backlog."""
         per_shard = Counter(row.shard for row in rows)
+        full = len(rows) >= read.size  # (in seq order: a shard with no row may have some)
         for shard in read.shards:
             self._last_read[shard] = now
-            if per_shard[shard] == 0:
+            if per_shard[shard] == 0 and not full:
                 self._empty_until[shard] = now + RELOOK_SECONDS
             else:
                 self._empty_until.pop(shard, None)
-        self.behind = len(rows) >= read.size or max(per_shard.values(), default=0) >= read.per_shard
+        self.behind = full or max(per_shard.values(), default=0) >= read.per_shard
 
-    def looked(self, shards: Sequence[int], now: float) -> None:
-        """``shards`` were read and sent nothing: they wait like empty ones."""
-        for shard in shards:
+    def looked(
+        self, read: Read, rows: Sequence[PendingRow], busy: Collection[int], now: float
+    ) -> None:
+        """The shards of ``read`` that sent nothing (are not ``busy``) wait like empty ones;
+        a full read says nothing of those it returned no row of (rows come in seq order)."""
+        shards = {row.shard for row in rows} if len(rows) >= read.size else set(read.shards)
+        for shard in shards.difference(busy):
             self._empty_until[shard] = now + RELOOK_SECONDS
 
     def woken(self) -> None:
