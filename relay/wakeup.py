@@ -225,4 +225,4 @@ class WakeUp:
 def settle_pause(tries: int) -> float:
     """The pause after ``tries`` failed tries to take the wake lock: :data:`SETTLE_PAUSE`,
     doubling up to :data:`MAX_SETTLE_PAUSE`."""
-    return min(MAX_SETTLE_PAUSE, SETTLE_PAUSE * 2.0 ** max(0, tries - 1))
+    return min(MAX_SETTLE_PAUSE, SETTLE_PAUSE * 2.0 ** min(max(0, tries - 1), 32))

@@ -1192,7 +1192,7 @@ class World:
         self.broker.limits["opaque"] = 2000
         # A progress record lists every message of its transaction: a limit this small
         # refuses those of the larger batches (the relay must make its transactions smaller).
-        self.broker.limits[PROGRESS] = 900
+        self.broker.limits[PROGRESS] = 330  # (six acks or more)
         self.broker.unsaid.add("opaque")
         self.relays: list[SimRelay] = []
         self.producers: list[FakeProducer] = []
@@ -1705,7 +1705,7 @@ class World:
         self.notify()
         deadline = self.now + seconds
         steps = 0
-        while self.now < deadline and not self.violations and steps < 200_000:
+        while self.now < deadline and not self.violations and steps < 30_000:
             if self._settled():
                 break
             steps += 1

@@ -1,4 +1,5 @@
-"""The relay's health once one batch, mark or take-over does not end (no server)."""
+"""The relay's health once one batch, mark or take-over does not end, and its settle pause
+(no server)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ def test_a_mark_or_take_over_has_a_tighter_bound_than_a_batch_on_its_way_to_kafk
     )
     health.working_since(None, marking=None)
     assert health.alive
+
+
+def test_the_settle_pause_doubles_up_to_its_longest_however_many_tries() -> None:
+    from outbox.relay.wakeup import MAX_SETTLE_PAUSE, SETTLE_PAUSE, settle_pause
+
+    pauses = [settle_pause(tries) for tries in range(1, 12)]
+    assert pauses[0] == SETTLE_PAUSE and pauses == sorted(pauses)
+    assert pauses[-1] == MAX_SETTLE_PAUSE
+    # An idle relay beside a busy one tries for hours: no overflow (it ended run() once).
+    assert settle_pause(10**6) == MAX_SETTLE_PAUSE
