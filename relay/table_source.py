@@ -56,6 +56,8 @@ class TableSource:
         #: earlier versions left leased.
         self._seen: set[int] = set()
         self._owned: tuple[int, ...] = ()
+        #: The last look before sleeping found leased rows of the owned shards.
+        self._leases_seen = False
         self._gauges_stop = threading.Event()
         self._gauges: threading.Thread | None = None
 
@@ -122,12 +124,21 @@ class TableSource:
     def sleep(self, timeout: float) -> bool:
         """Nothing to do: sleep watched, up to ``timeout`` (cut to the next due scheduled
         message, and to :data:`~outbox.relay.wakeup.WORKING_PAUSE` while an immediate sender
-        holds rows of the owned shards). Returns whether to look again at once (woken)."""
+        holds rows of the owned shards, and once more when those leases are gone). Returns
+        whether to look again at once (woken)."""
         assert self._wake is not None and self.conn is not None
         timeout = self.promotion.sleep_bound(timeout)
         # The immediate sender's mark wakes nobody: look as often as while another relay works.
-        if timeout > WORKING_PAUSE and self.store.leases_held(self._owned, self.conn):
-            timeout = WORKING_PAUSE
+        if timeout > WORKING_PAUSE:
+            held = self.store.leases_held(self._owned, self.conn)
+            if self._leases_seen and not held:
+                # The leases seen before are gone (marked, given back), maybe since the last
+                # read, and their marks woke nobody: the rows behind them may go now.
+                self._leases_seen = False
+                return True
+            self._leases_seen = held
+            if held:
+                timeout = WORKING_PAUSE
         return self._wake.idle(timeout)
 
     def forget(self) -> None:

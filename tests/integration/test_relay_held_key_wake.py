@@ -1,23 +1,31 @@
 """A key's later row held back behind a row the immediate sender holds becomes sendable when
 the sender marks that row sent: a sleeping relay should pick it up far sooner than its poll
-interval. Real relay loop on a real PostgreSQL, stub publisher."""
+interval. Real relay loop on a real PostgreSQL, stub sender."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from outbox.relay.daemon import Relay
-from outbox.relay.store import shard_window
-from outbox.rows import OutboxRows
-from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
+from outbox.engines import sender_engine
+from outbox.relay.reading import shard_window
+from outbox.relay.store import RelayStore
+from outbox.rows import OutboxRows, PendingRow
+from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, OutboxTableSpec, shard_of
 from outbox.sending import Ack
-from tests.integration.test_relay_loop import StubPublisher, config, wait_for
-from tests.integration.test_relay_wakeups import BOUND, POLL, in_seconds, insert_row
-from tests.relay_helpers import looping, owns_all_and_sleeps
+from tests.integration.test_relay_wakeups import (
+    BOUND,
+    POLL,
+    in_seconds,
+    insert_row,
+    sleeping_stub_relay,
+)
+from tests.relay_helpers import looping, owns_all_and_sleeps, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -25,11 +33,10 @@ pytestmark = pytest.mark.integration
 def test_a_row_held_back_behind_an_immediately_sent_row_goes_when_that_row_is_marked(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
-    stub = StubPublisher(latency=0.002)
-    relay = Relay(config(outbox_url, poll_interval=POLL, rebalance_interval=POLL), publisher=stub)
+    relay, stub = sleeping_stub_relay(outbox_url)
     owner = "immediate-test"
     with looping(relay):
-        wait_for(lambda: owns_all_and_sleeps(relay))
+        wait_for(lambda: owns_all_and_sleeps(relay), 30, "the relay to own every shard and sleep")
         # The first row of the key is in flight with an immediate sender (leased to it); the
         # second was written without one (or given back by the sender's order check): the
         # relay is woken by its insert, reads it, holds it back behind the leased row, and
@@ -37,15 +44,67 @@ def test_a_row_held_back_behind_an_immediately_sent_row_goes_when_that_row_is_ma
         held = insert_row(engine, "k", lease_owner=owner, lease_until=in_seconds(3600))
         later = insert_row(engine, "k")
         time.sleep(0.3)
-        assert relay._wake.asleep and not stub.acked
+        assert relay.asleep and not stub.acked
         started = time.monotonic()
         rows = OutboxRows(outbox_url, DEFAULT_SPEC, owner)
         try:
             rows.record_outcome([Ack(held, 0, 1)])  # what a successful immediate send does
         finally:
             rows.close()
-        wait_for(lambda: later in {r.id for r in stub.acked}, POLL + 2)
-        picked_up = time.monotonic() - started
+        wait_for(lambda: later in stub.acked_ids(), POLL + 2, "the later row sent")
+        picked_up = stub.sent_at[later] - started
+    print(f"later row of the key picked up {picked_up * 1000:.1f} ms after the mark")
+    assert picked_up < BOUND, picked_up
+
+
+class MarkedAfterRead(RelayStore):
+    """Once armed, the next read that finds nothing runs ``mark`` (the immediate sender's mark
+    of the key's head) before it returns: the mark lands between a read that found the key
+    held and the relay's look at the leases, a window of a round trip that this widens."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(sender_engine(url), OutboxTableSpec(), "marked-after-read")
+        self.mark: Callable[[], None] | None = None
+        self.marked_at: float | None = None
+
+    def read_batch(self, *args: Any, **kwargs: Any) -> list[PendingRow]:
+        rows = super().read_batch(*args, **kwargs)
+        if self.mark is not None and not rows:
+            mark, self.mark = self.mark, None
+            mark()
+            self.marked_at = time.monotonic()
+        return rows
+
+
+def test_a_row_held_back_goes_at_once_when_its_head_is_marked_just_after_a_read(  # type: ignore[no-untyped-def]
+    engine, outbox_url
+) -> None:
+    """The relay stops looking again every WORKING_PAUSE (50 ms) once no lease is left: the
+    read after the mark must still come, though the shard was just read and found held."""
+    store = MarkedAfterRead(outbox_url)
+    relay, stub = sleeping_stub_relay(outbox_url, store)
+    owner = "immediate-test"
+    try:
+        with looping(relay):
+            wait_for(lambda: owns_all_and_sleeps(relay), 30, "the relay to own all and sleep")
+            held = insert_row(engine, "k", lease_owner=owner, lease_until=in_seconds(3600))
+            later = insert_row(engine, "k")
+            time.sleep(0.3)
+            assert relay.asleep and not stub.acked
+
+            def mark() -> None:
+                rows = OutboxRows(outbox_url, DEFAULT_SPEC, owner)
+                try:
+                    rows.record_outcome([Ack(held, 0, 1)])  # a successful immediate send
+                finally:
+                    rows.close()
+
+            store.mark = mark
+            wait_for(lambda: later in stub.acked_ids(), POLL + 2, "the later row sent")
+            assert store.marked_at is not None
+            picked_up = stub.sent_at[later] - store.marked_at
+    finally:
+        store.engine.dispose()
     print(f"later row of the key picked up {picked_up * 1000:.1f} ms after the mark")
     assert picked_up < BOUND, picked_up
 
@@ -58,8 +117,7 @@ def test_a_row_held_back_behind_an_immediately_sent_row_goes_when_that_row_is_ma
     ],
 )
 def test_a_held_keys_backlog_does_not_hide_another_keys_row(engine, outbox_url, windows) -> None:  # type: ignore[no-untyped-def]
-    stub = StubPublisher(latency=0.002)
-    relay = Relay(config(outbox_url, poll_interval=POLL, rebalance_interval=POLL), publisher=stub)
+    relay, stub = sleeping_stub_relay(outbox_url)
     owner = "immediate-test"
     held_key = "h"
     shard = shard_of(held_key.encode(), uuid.uuid4())
@@ -67,7 +125,7 @@ def test_a_held_keys_backlog_does_not_hide_another_keys_row(engine, outbox_url, 
         k for k in (f"f{n}" for n in range(1000)) if shard_of(k.encode(), uuid.uuid4()) == shard
     )
     with looping(relay):
-        wait_for(lambda: owns_all_and_sleeps(relay))
+        wait_for(lambda: owns_all_and_sleeps(relay), 30, "the relay to own every shard and sleep")
         # The head of the key is with an immediate sender; its later rows, given back to the
         # relay (the sender's order check), wait behind it: more of them than a read's window.
         insert_row(engine, held_key, lease_owner=owner, lease_until=in_seconds(3600))
@@ -87,8 +145,8 @@ def test_a_held_keys_backlog_does_not_hide_another_keys_row(engine, outbox_url, 
         started = time.monotonic()
         free = insert_row(engine, free_key)  # another key, same shard: free to go
         try:
-            wait_for(lambda: free in {r.id for r in stub.acked}, POLL + 2)
-            picked_up = time.monotonic() - started
+            wait_for(lambda: free in stub.acked_ids(), POLL + 2, "the free row sent")
+            picked_up = stub.sent_at[free] - started
         except AssertionError:
             picked_up = float("inf")
     print(f"free row behind a held key's backlog of {behind} picked up after {picked_up:.3f} s")

@@ -1,6 +1,7 @@
 """A lease that ends with time alone (an immediate sender that stopped before its mark) makes
 the rows of its key sendable with no commit to wake the relay: the relay that sleeps while
-leases are held looks again every HELD_RELOOK_SECONDS. Real PostgreSQL, stub publisher."""
+leases are held, or have run out unmarked, looks again every WORKING_PAUSE (50 ms). Real
+PostgreSQL, stub sender."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import pytest
 import sqlalchemy as sa
 
 from outbox.engines import sender_engine
-from outbox.relay.daemon import Relay
-from outbox.relay.store import PendingRow, RelayStore
+from outbox.relay.store import RelayStore
+from outbox.rows import PendingRow
 from outbox.schema import OutboxTableSpec
-from tests.integration.test_relay_loop import StubPublisher, config, wait_for
-from tests.integration.test_relay_wakeups import BOUND, POLL, in_seconds, insert_row
-from tests.relay_helpers import looping, owns_all_and_sleeps
+from tests.integration.test_relay_wakeups import (
+    BOUND,
+    POLL,
+    in_seconds,
+    insert_row,
+    sleeping_stub_relay,
+)
+from tests.relay_helpers import looping, owns_all_and_sleeps, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -45,16 +51,11 @@ class LeaseEndsAfterRead(RelayStore):
 def test_a_lease_ending_just_after_a_read_lets_its_key_go_long_before_the_poll_interval(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
-    stub = StubPublisher(latency=0.002)
     store = LeaseEndsAfterRead(outbox_url)
-    relay = Relay(
-        config(outbox_url, poll_interval=POLL, rebalance_interval=30.0),
-        store=store,
-        publisher=stub,
-    )
+    relay, stub = sleeping_stub_relay(outbox_url, store)
     try:
         with looping(relay):
-            wait_for(lambda: owns_all_and_sleeps(relay))
+            wait_for(lambda: owns_all_and_sleeps(relay), 30, "the relay to own all and sleep")
             held = insert_row(
                 engine, "k", lease_owner="immediate-gone", lease_until=in_seconds(3600)
             )
@@ -68,8 +69,8 @@ def test_a_lease_ending_just_after_a_read_lets_its_key_go_long_before_the_poll_i
                 )
             ended = time.monotonic() + LEASE_LEFT + 0.05
             store.lease_ends = ended
-            wait_for(lambda: later in {r.id for r in stub.acked}, POLL + 5)
-            picked_up = time.monotonic() - ended
+            wait_for(lambda: later in stub.acked_ids(), POLL + 5, "the held key's rows sent")
+            picked_up = stub.sent_at[later] - ended
     finally:
         store.engine.dispose()
     assert store.widened

@@ -1,8 +1,9 @@
-"""Row locks of other transactions against the relay's marks, where the lock timeout of the
-marking sessions does not reach: a batch with a failure is recorded on the owner session,
-and shards are drained before they change hands. Each holds up every shard of the relay for
-as long as the lock is held. Real PostgreSQL, the loop's stub publisher; the exactly-once
-take-over, real Kafka and a relay process killed while its mark waits."""
+"""Row locks of other transactions against the relay's records, where a review found that they
+held up every shard of the relay for as long as the lock was held: a batch with a failure
+(recorded with the locked row's mark), a relay stopping or joined by another while a mark
+waits, and the exactly-once take-over of a committed row another transaction holds locked.
+Real PostgreSQL, the stub sender; the take-over, real Kafka and a relay process killed while
+its mark waits."""
 
 from __future__ import annotations
 
@@ -18,25 +19,30 @@ import sqlalchemy as sa
 
 from outbox import Message, Outbox
 from outbox.devstack.topics import consume_messages
-from outbox.records import OutboxRecord
 from outbox.relay.daemon import Relay
-from tests.integration.test_relay_loop import StubPublisher, config, wait_for
+from outbox.schema import SHARD_COUNT
 from tests.integration.test_relay_row_locks import (
     LOCKS,
     SPREAD,
+    SlowStub,
+    attempts_of,
+    publish_keys,
     publish_spread,
     row_locked,
     sent,
     shards_of,
 )
-from tests.relay_helpers import looping, message_id, relay_config, start_relay_process
-from tests.relay_outside import wait_until
+from tests.relay_helpers import (
+    looping,
+    message_id,
+    relay_config,
+    start_relay_process,
+    wait_for,
+)
+from tests.relay_outside import keys_in_shards, wait_until
+from tests.stub_sender import StubSender, stub_config, stub_relay
 
 pytestmark = pytest.mark.integration
-
-
-def owned(relay: Relay) -> set[int]:
-    return set(relay._ownership.owned) if relay._ownership is not None else set()
 
 
 @contextmanager
@@ -53,56 +59,52 @@ def released_first(lock: AbstractContextManager[int], relay: Relay) -> Iterator[
         lock.__exit__(None, None, None)  # (a second rollback is harmless)
 
 
-def failing_once_beside(
-    first: list[uuid.UUID], locked_shard: int
-) -> tuple[StubPublisher, set[uuid.UUID]]:
-    """A stub that fails, once, the first message of ``first`` outside ``locked_shard``: the
-    failure is in the batch that acknowledges the locked row."""
-    failed: set[uuid.UUID] = set()
-
-    def decide(record: OutboxRecord) -> str:
-        if not failed and record.id in first and record.shard != locked_shard:
-            failed.add(record.id)
-            return "retry"
-        return "ack"
-
-    stub = StubPublisher()
-    stub.decide = decide
-    return stub, failed
+def failing_beside_a_locked_row(engine: sa.Engine) -> tuple[SlowStub, uuid.UUID, uuid.UUID]:
+    """Two rows of shards of their own in one transaction, the one to lock and one whose send
+    fails once: one batch, slow, so that a batch sent meanwhile (the second transaction's)
+    is answered first and the failure is charged (recorded) with the locked row's mark.
+    Returns the stub, the row to lock, and the failing row."""
+    head_key, failing_key = keys_in_shards(2, "beside")
+    locked, failing = publish_keys(engine, [head_key, failing_key])
+    stub = SlowStub()
+    stub.slow_keys.add(head_key.encode())
+    stub.failing_keys.add(failing_key.encode())
+    return stub, locked, failing
 
 
 def test_a_batch_with_a_failure_and_a_locked_row_holds_up_no_other_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
-    first = publish_spread(engine, "first")
-    locked = first[0]
-    locked_shard = shards_of(engine, [locked])[locked]
-    stub, failed = failing_once_beside(first, locked_shard)
+    stub, locked, failing = failing_beside_a_locked_row(engine)
     lock = row_locked(outbox_url, locked, LOCKS["select for update"])
     lock.__enter__()
-    with released_first(lock, Relay(config(outbox_url), publisher=stub)):
-        wait_for(lambda: any(r.id == locked for r in stub.acked))
-        assert failed  # the failure is in the locked row's batch
+    with released_first(lock, stub_relay(stub_config(outbox_url), stub)) as relay:
+        wait_for(lambda: locked in stub.started, 20, "the locked row's batch sent")
         second = publish_spread(engine, "second")
-        shard = shards_of(engine, second)
-        free = [i for i in second if shard[i] != locked_shard]
+        locked_shard = shards_of(engine, [locked])[locked]
+        wait_for(lambda: stub.failed == {failing}, 10, "the batch to end, the failure with it")
+        assert any(r.id == locked for r in stub.acked)  # the failure is in the locked row's batch
+        shard = shards_of(engine, [*second, failing])
+        free = [i for i in shard if shard[i] != locked_shard]
         # Every shard but the locked row's goes on while the lock is held.
-        wait_for(lambda: sent(engine, free) == set(free), timeout=10)
+        wait_for(lambda: sent(engine, free) == set(free), 10, "the other shards' rows sent")
+        assert attempts_of(engine, failing) == 2  # its failure recorded, then its send
+        assert relay.metrics.marks_blocked._value.get() >= 1
 
 
 def test_a_relay_stopped_while_a_row_lock_holds_a_batch_with_a_failure_exits_in_time(  # type: ignore[no-untyped-def]
     engine, outbox_url
 ) -> None:
-    first = publish_spread(engine, "first")
-    locked = first[0]
-    stub, failed = failing_once_beside(first, locked_shard=shards_of(engine, [locked])[locked])
-    relay = Relay(config(outbox_url, shutdown_timeout=4.0), publisher=stub)
+    stub, locked, failing = failing_beside_a_locked_row(engine)
+    relay = stub_relay(stub_config(outbox_url, shutdown_timeout=4.0), stub)
     thread = threading.Thread(target=relay.run, daemon=True)
     with row_locked(outbox_url, locked, LOCKS["select for update"]):
         thread.start()
-        wait_for(lambda: any(r.id == locked for r in stub.acked))
-        assert failed
-        time.sleep(0.5)  # the outcome is being recorded
+        wait_for(lambda: locked in stub.started, 20, "the locked row's batch sent")
+        publish_spread(engine, "second")
+        wait_for(lambda: stub.failed == {failing}, 10, "the batch to end, the failure with it")
+        # The outcome is being recorded, and its mark of the locked row waits.
+        wait_for(lambda: relay.metrics.marks_blocked._value.get() >= 1, 10, "a record held")
         relay.stop()
         thread.join(12)
         stopped_in_time = not thread.is_alive()
@@ -116,21 +118,34 @@ def test_a_relay_joining_while_a_mark_waits_for_a_row_lock_stops_no_shard(  # ty
     first = publish_spread(engine, "first")
     locked = first[0]
     locked_shard = shards_of(engine, [locked])[locked]
-    stub, other_stub = StubPublisher(), StubPublisher()
+    stub, other_stub = StubSender(), StubSender()
     lock = row_locked(outbox_url, locked, LOCKS["select for update"])
     lock.__enter__()
-    with released_first(lock, Relay(config(outbox_url), publisher=stub)) as relay:
-        wait_for(lambda: relay.metrics.marks_blocked._value.get() >= 1)
+    with released_first(lock, stub_relay(stub_config(outbox_url), stub)) as relay:
+        wait_for(lambda: relay.metrics.marks_blocked._value.get() >= 1, 20, "a mark held")
         free_first = [i for i in first if i != locked]
-        wait_for(lambda: sent(engine, free_first) == set(free_first))
-        with looping(Relay(config(outbox_url), publisher=other_stub)) as other:
+        wait_for(lambda: sent(engine, free_first) == set(free_first), 20, "the first rows sent")
+        with looping(stub_relay(stub_config(outbox_url), other_stub)) as other:
             second = publish_spread(engine, "second")
             shard = shards_of(engine, second)
             free = [i for i in second if shard[i] != locked_shard]
-            # A rebalance hands half of the shards over; the other shards go on meanwhile
-            # (and the joining relay takes its share).
-            wait_for(lambda: sent(engine, free) == set(free), timeout=10)
-            assert owned(other)
+            # A rebalance hands half of the shards over; the other shards go on meanwhile,
+            # and the joining relay takes its share.
+            wait_for(lambda: sent(engine, free) == set(free), 10, "the other shards' rows sent")
+            wait_for(
+                lambda: (
+                    len(other.owned_shards) >= SHARD_COUNT // 2 - 1
+                    and len(relay.owned_shards | other.owned_shards) == SHARD_COUNT
+                ),
+                10,
+                "the joining relay to take its share",
+            )
+            assert locked_shard in relay.owned_shards  # busy with its mark: not handed over
+            third = publish_spread(engine, "third")
+            shard = shards_of(engine, third)
+            free = [i for i in third if shard[i] != locked_shard]
+            wait_for(lambda: sent(engine, free) == set(free), 10, "both relays' rows sent")
+            assert {r.id for r in other_stub.acked} & set(free)  # some by the joining relay
 
 
 def publish_spread_to(engine: sa.Engine, topic: str, wave: str) -> list[uuid.UUID]:
@@ -142,12 +157,6 @@ def publish_spread_to(engine: sa.Engine, topic: str, wave: str) -> list[uuid.UUI
     return [r.message_id for r in results]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exactly-once, a take-over marks the committed rows on a session without"
-    " lock_timeout, and every shard gained with the locked row's waits for it: a relay that"
-    " takes over while another transaction holds that row locked sends nothing",
-)
 def test_a_take_over_whose_committed_row_is_locked_holds_up_no_other_shard(  # type: ignore[no-untyped-def]
     engine, outbox_url, bootstrap_servers, make_topic
 ) -> None:

@@ -1,10 +1,11 @@
 """Every way a row becomes sendable wakes an idle relay: an insert, the immediate sender giving
 rows back (a failed send, its order check), ``outbox dead retry``, a prepared message's
 commit and reconciliation's repair. Each is picked up by a sleeping relay whose poll interval
-is 5 s far sooner than that. Real relay loop on a real PostgreSQL, stub publisher."""
+is 5 s far sooner than that. Real relay loop on a real PostgreSQL, stub sender."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -17,13 +18,16 @@ from click.testing import CliRunner
 from outbox.cli import main
 from outbox.immediate import ImmediateSender, SendOutcome
 from outbox.prepared.store import PreparedStore
-from outbox.relay.daemon import Relay
+from outbox.relay.commands import Batch
+from outbox.relay.daemon import Parts, Relay, _real_parts
+from outbox.relay.store import RelayStore
+from outbox.relay.table_source import TableSource
 from outbox.rows import OutboxRows
 from outbox.schema import DEFAULT_SPEC, shard_of
 from outbox.sending import Ack
 from outbox.spark_jobs.repair import requeue_missing
-from tests.integration.test_relay_loop import StubPublisher, config, wait_for
-from tests.relay_helpers import looping, owns_all_and_sleeps
+from tests.relay_helpers import looping, owns_all_and_sleeps, wait_for
+from tests.stub_sender import StubSender, stub_config, stub_relay
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +35,46 @@ pytestmark = pytest.mark.integration
 POLL = 5.0
 #: What the tests assert: far below the poll interval, far above a wake-up's few milliseconds.
 BOUND = 1.0
+
+
+class TimedStub(StubSender):
+    """A stub sender that notes when each row was first sent (``time.monotonic()`` when its
+    batch started): a relay's pick-up, measured to the millisecond, whatever the stub's and
+    the test's own waits."""
+
+    def __init__(self, latency: float = 0.002) -> None:
+        super().__init__(latency)
+        self.sent_at: dict[uuid.UUID, float] = {}
+
+    def start(self, batch: Batch) -> None:
+        now = time.monotonic()
+        for record in batch.records:
+            self.sent_at.setdefault(record.id, now)
+        super().start(batch)
+
+    def acked_ids(self) -> set[uuid.UUID]:
+        return {record.id for record in self.acked}
+
+
+def sleeping_stub_relay(
+    outbox_url: str, store: RelayStore | None = None, **overrides: object
+) -> tuple[Relay, TimedStub]:
+    """A stub relay polling every POLL seconds (and rebalancing as often: no look between);
+    reading on ``store`` when given."""
+    stub = TimedStub()
+    options: dict[str, object] = {"poll_interval": POLL, "rebalance_interval": POLL, **overrides}
+    config = stub_config(outbox_url, **options)
+    if store is None:
+        return stub_relay(config, stub), stub
+
+    def parts(relay: Relay) -> Parts:
+        return dataclasses.replace(
+            _real_parts(relay),
+            source=TableSource(relay.config, store, relay.metrics),
+            make_sender=lambda _relay: stub,
+        )
+
+    return Relay(config, parts=parts), stub
 
 
 def in_seconds(seconds: float) -> datetime:
@@ -156,16 +200,15 @@ def repair(engine: sa.Engine, url: str) -> Callable[[], list[uuid.UUID]]:
     ],
 )
 def test_a_row_made_sendable_wakes_a_sleeping_relay(engine, outbox_url, path: Path) -> None:  # type: ignore[no-untyped-def]
-    stub = StubPublisher(latency=0.002)
-    relay = Relay(config(outbox_url, poll_interval=POLL, rebalance_interval=POLL), publisher=stub)
+    relay, stub = sleeping_stub_relay(outbox_url)
     with looping(relay):
-        wait_for(lambda: owns_all_and_sleeps(relay))
+        wait_for(lambda: owns_all_and_sleeps(relay), 30, "the relay to own every shard and sleep")
         act = path(engine, outbox_url)
         time.sleep(0.3)  # the relay looked at the rows written above, and sleeps again
-        assert relay._wake.asleep and not stub.acked
+        assert relay.asleep and not stub.acked
         started = time.monotonic()
         expected = set(act())
-        wait_for(lambda: expected <= {r.id for r in stub.acked}, POLL + 2)
-        picked_up = time.monotonic() - started
+        wait_for(lambda: expected <= stub.acked_ids(), POLL + 2, "the rows made sendable sent")
+        picked_up = max(stub.sent_at[row] for row in expected) - started
     print(f"{path.__name__}: picked up after {picked_up * 1000:.1f} ms")
     assert picked_up < BOUND, picked_up
