@@ -853,7 +853,7 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
         with running_in_thread(failing, "failing"):
             wait_for(lambda: relay_log.step_asides("failing") == 1)
             assert failing_stub.take_over_failures >= 1
-            assert not is_member(failing, engine) and not failing.owned_shards
+            wait_for(lambda: not is_member(failing, engine) and not failing.owned_shards, 5)
             publish(engine, 400, keys=100)  # every shard gets some
             wait_for(lambda: statuses(engine) == {"sent": 400})
             assert len(healthy_stub.acked) == 400 and by_key_in_seq_order(healthy_stub.acked)
