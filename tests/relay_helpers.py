@@ -11,8 +11,8 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
 from contextlib import AbstractContextManager, contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 

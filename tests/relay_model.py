@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import psycopg
 from confluent_kafka import KafkaError
+from outbox.relay.producers import InFlight
 
 from outbox.records import OutboxRecord
 from outbox.relay.config import RelayConfig
 from outbox.relay.daemon import Relay
-from outbox.relay.producers import InFlight
 from outbox.schema import OutboxTableSpec
 from outbox.sending import Ack, BatchResult
 

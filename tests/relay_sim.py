@@ -41,12 +41,12 @@ import psycopg
 from confluent_kafka import KafkaError, KafkaException
 
 from outbox.records import OutboxRecord
+from outbox.relay import promotion
 from outbox.relay.commands import BatchEnded, Read, Rebalance, Rebalanced, Recorded, Recording
 from outbox.relay.config import RelayConfig
 from outbox.relay.daemon import Parts, Relay
 from outbox.relay.leases import free_order, plan_shares
 from outbox.relay.policy import RetryPolicy
-from outbox.relay import promotion
 from outbox.relay.promotion import DueRow
 from outbox.relay.sender import AtLeastOnceSender, TopicLimits
 from outbox.relay.transactions import ExactlyOnceSender
@@ -188,7 +188,10 @@ class SimTable:
             ),
             key=lambda r: (r.deliver_at, r.seq),
         )
-        rows = [DueRow(r.id, EPOCH + timedelta(seconds=r.deliver_at or 0), r.seq, r.topic, r.key) for r in due]
+        rows = [
+            DueRow(r.id, EPOCH + timedelta(seconds=r.deliver_at or 0), r.seq, r.topic, r.key)
+            for r in due
+        ]
         free = {r.id for r in due if not self.now_locked(r.id)}
         going = promotion.promotable(rows, free)
         for picked in going:
@@ -336,7 +339,11 @@ class SimBroker:
         self.epochs[transactional_id] = epoch
         for log in self.logs.values():
             for entry in log:
-                if entry.state == "open" and entry.txn is not None and entry.txn[0] == transactional_id:
+                if (
+                    entry.state == "open"
+                    and entry.txn is not None
+                    and entry.txn[0] == transactional_id
+                ):
                     entry.state = "aborted"
         return epoch
 
@@ -491,7 +498,9 @@ class FakeProducer:
         assert self.transactional_id is not None
         if not self.world.broker.reachable(self.relay):
             self.world.advance(min(timeout, 10.0))
-            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "init timed out", retriable=True))
+            raise KafkaException(
+                KafkaError(KafkaError._TIMED_OUT, "init timed out", retriable=True)
+            )
         self.epoch = self.world.broker.fence(self.transactional_id)
 
     def begin_transaction(self) -> None:
@@ -526,7 +535,9 @@ class FakeProducer:
         self._check_fenced()
         if not self.world.broker.reachable(self.relay):
             self.world.advance(min(timeout, 10.0) if timeout > 0 else 10.0)
-            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "abort timed out", retriable=True))
+            raise KafkaException(
+                KafkaError(KafkaError._TIMED_OUT, "abort timed out", retriable=True)
+            )
         self.queued = []
         self.requests = []
         for entry in self._open_entries():
@@ -543,7 +554,12 @@ class FakeProducer:
 
     def _open_entries(self) -> list[Entry]:
         txn = (self.transactional_id or "", self.epoch * 1_000_000 + self.txn_number)
-        return [e for log in self.world.broker.logs.values() for e in log if e.txn == txn and e.state == "open"]
+        return [
+            e
+            for log in self.world.broker.logs.values()
+            for e in log
+            if e.txn == txn and e.state == "open"
+        ]
 
     def _waiting(self) -> bool:
         return bool(self.queued or self.requests)
@@ -589,7 +605,8 @@ class FakeProducer:
                 if where in broker.stalled:
                     world.stalled_records(request.messages)
                 waiting.add(where)
-                continue  # not answered while the brokers are out of reach, nor after one that is not
+                # Not answered while the brokers are out of reach, nor after one that is not.
+                continue
             if request.answer_at > world.now:
                 waiting.add(where)
                 continue
@@ -619,7 +636,9 @@ class FakeProducer:
         delay = self.world.rng.choice((0.001, 0.002, 0.005, 0.02))
         # A partition's requests are answered in the order they were sent (the idempotent
         # producer's sequence numbers see to it).
-        earlier = [r.answer_at for r in self.requests if (r.topic, r.partition) == (topic, partition)]
+        earlier = [
+            r.answer_at for r in self.requests if (r.topic, r.partition) == (topic, partition)
+        ]
         answer_at = max([self.world.now + delay, *earlier])
         self.requests.append(Request(topic, partition, messages, answer_at, refused=size > limit))
 
@@ -721,7 +740,7 @@ class ManualExecutor:
             return True
         try:
             future.set_result(task())
-        except BaseException as error:  # noqa: BLE001 - handed to the future, as a pool does
+        except BaseException as error:
             future.set_exception(error)
         return True
 
@@ -745,7 +764,7 @@ class InlineExecutor:
         future: Future[Any] = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as error:  # noqa: BLE001 - handed to the future, as a pool does
+        except BaseException as error:
             future.set_exception(error)
         return future
 
@@ -859,7 +878,9 @@ class SimLeases:
                 gained.append(shard)
             self.owned.update(gained)
         if gained or shares.release:
-            self.world.note(f"{self.relay.name} gained {sorted(gained)} released {list(shares.release)}")
+            self.world.note(
+                f"{self.relay.name} gained {sorted(gained)} released {list(shares.release)}"
+            )
         return Rebalanced(
             gained=tuple(sorted(gained)),
             lost=shares.release,
@@ -926,7 +947,11 @@ class SimSource:
         self.relay.session.statement()
         self.world.table.promote(owned)
         rows = self.world.table.read(read.shards, read.size, read.per_shard)
-        held = {s for s, holder in self.world.locks.shards.items() if holder == self.relay.session.number}
+        held = {
+            s
+            for s, holder in self.world.locks.shards.items()
+            if holder == self.relay.session.number
+        }
         rows = [row for row in rows if row.shard in held]  # as owner_alive / the lock protect
         self.world.reads += 1
         return rows
@@ -986,7 +1011,10 @@ class SimRecorder:
             self.relay.events.put(Dead("the marking session was closed"))
             return True
         held = self.world.table.record(recording)
-        self.world.note(f"{self.relay.name} recorded {len(recording.acks)} acks {len(recording.failures)} failures, held {[str(h)[:8] for h in held]}")
+        self.world.note(
+            f"{self.relay.name} recorded {len(recording.acks)} acks"
+            f" {len(recording.failures)} failures, held {[str(h)[:8] for h in held]}"
+        )
         self.relay.events.put(Recorded(recording, held))
         return True
 
@@ -1324,7 +1352,10 @@ class World:
                     f"{sim.name} sends {row.id} again though {acked[0]} was told Kafka had it,"
                     " with nothing of that relay lost since"
                 )
-        self.note(f"{sim.name} sends batch {batch.number} shards {sorted(batch.shards)} rows {[str(r.id)[:8] for r in batch.rows]}")
+        self.note(
+            f"{sim.name} sends batch {batch.number} shards {sorted(batch.shards)}"
+            f" rows {[str(r.id)[:8] for r in batch.rows]}"
+        )
         held = {s for s, holder in self.locks.shards.items() if holder == sim.session.number}
         if not sim.session.alive or not batch.shards <= held:
             self.violation(
@@ -1370,7 +1401,9 @@ class World:
             elif row.status == "dead":
                 self._check_dead(row)
             if not row.stalled and row.attempts > 1 and row.status != "dead":
-                self.violation(f"{row.id} charged {row.attempts} attempts with no failure of its own")
+                self.violation(
+                    f"{row.id} charged {row.attempts} attempts with no failure of its own"
+                )
         for row_id in self.deleted_sent:
             if not self.copies.get(row_id):
                 self.violation(f"{row_id} deleted as sent but on no topic")
@@ -1546,7 +1579,9 @@ class World:
         elif choice == "stall":
             where = ("orders", rng.randrange(self.broker.partitions))
             self.broker.stalled.add(where)
-            self.at(self.now + rng.choice((0.5, 3.0, 8.0)), lambda: self.broker.stalled.discard(where))
+            self.at(
+                self.now + rng.choice((0.5, 3.0, 8.0)), lambda: self.broker.stalled.discard(where)
+            )
         elif choice == "cut" and live:
             name = rng.choice(live).name
             self.broker.cut.add(name)
@@ -1592,7 +1627,9 @@ class World:
             wake = self.now
         sim.wake_at = min(sim.wake_at, wake)
 
-    def actions(self, faults: bool, writes: bool = False) -> list[tuple[float, Callable[[], object]]]:
+    def actions(
+        self, faults: bool, writes: bool = False
+    ) -> list[tuple[float, Callable[[], object]]]:
         """What may happen next, and how likely."""
         now = self.now
         enabled: list[tuple[float, Callable[[], object]]] = []
@@ -1699,6 +1736,8 @@ class World:
             self.advance_to(min(later))
 
     def _settled(self) -> bool:
-        if any(r.status in ("pending", "scheduled", "uncommitted") for r in self.table.rows.values()):
+        if any(
+            r.status in ("pending", "scheduled", "uncommitted") for r in self.table.rows.values()
+        ):
             return False
         return all(sim.relay.core.idle for sim in self.live())

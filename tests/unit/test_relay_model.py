@@ -80,9 +80,8 @@ def world_of(seed: int, mode: str) -> World:
 
 
 def replay(world: World, mode: str) -> str:
-    return (
-        f"seed {world.seed} ({mode}, delete_on_send={world.table.delete_on_send}): "
-        + "; ".join(world.violations[:3])
+    return f"seed {world.seed} ({mode}, delete_on_send={world.table.delete_on_send}): " + "; ".join(
+        world.violations[:3]
     )
 
 
@@ -143,7 +142,9 @@ def _keep_lost_shards(rebalanced: Any) -> Any:
 
 
 def _free_held_shards(recorded: Any) -> Any:
-    def freeing(self: RelayCore, recording: Recording, held: frozenset[uuid.UUID], now: float) -> Any:
+    def freeing(
+        self: RelayCore, recording: Recording, held: frozenset[uuid.UUID], now: float
+    ) -> Any:
         commands = recorded(self, recording, held, now)
         for shard, number in list(self.busy.items()):
             if number == recording.number:
