@@ -47,7 +47,7 @@ from outbox.relay.commands import (
 from outbox.relay.core import RelayCore
 from outbox.relay.observability import HealthState, RelayMetrics, mask_secrets
 from outbox.relay.policy import RETRIABLE, classify
-from outbox.relay.reach import EVIDENCE_SECONDS, STEP_ASIDE_AFTER
+from outbox.relay.reach import EVIDENCE_SECONDS, STEP_ASIDE_SECONDS
 from outbox.relay.sender import Sender
 from outbox.relay.tracing import start_batch_span
 from outbox.rows import PendingRow
@@ -223,7 +223,7 @@ class Driver:
                 "Kafka does not answer this relay: stepping aside (released shards %s) so that "
                 "the other relays take them, for %.0fs at least",
                 list(event.released),
-                STEP_ASIDE_AFTER,
+                STEP_ASIDE_SECONDS,
             )
 
     def _ended(self, batch: Batch, event: BatchEnded, now: float) -> None:

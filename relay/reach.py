@@ -18,7 +18,7 @@ a shard's last owner, or (while nothing of it waits for Kafka) a broker answerin
   *stalled*. A relay stalled for :data:`EVIDENCE_SECONDS` does not serve (it lets the other
   relays know through its serving lock); stalled for :data:`STEP_ASIDE_AFTER` it steps aside
   if another relay serves, in either mode: its own path to Kafka may be what is broken.
-- **Stepping aside** lasts :data:`STEP_ASIDE_AFTER` (as long as it was stalled), doubled at
+- **Stepping aside** lasts :data:`STEP_ASIDE_SECONDS`, doubled at
   each step aside in a row (up to :data:`LONGEST_STEP_ASIDE`); the relay comes back sooner
   when no other member is left, or none has served for :data:`EVIDENCE_SECONDS`.
 - A relay joins the members, or takes free shards, only with fresh evidence (at most
@@ -36,6 +36,8 @@ EVIDENCE_SECONDS = 5.0
 STEP_ASIDE_AFTER = 10.0
 #: An ack this recent shows Kafka still takes this relay's batches (see the module).
 LIVE_ACK_SECONDS = 1.0
+#: Out of the members the first time (as long as it was stalled before stepping aside).
+STEP_ASIDE_SECONDS = 10.0
 #: The longest step aside (four doublings of the first): each return costs the healthy relays
 #: a hand-over, and a relay whose own path stays broken comes back only this often.
 LONGEST_STEP_ASIDE = 160.0
@@ -102,7 +104,7 @@ class KafkaReach:
 
     def stepped_aside(self, now: float) -> float:
         """The relay left the members: returns how long it stays out."""
-        pause = min(LONGEST_STEP_ASIDE, STEP_ASIDE_AFTER * 2.0**self.step_asides)
+        pause = min(LONGEST_STEP_ASIDE, STEP_ASIDE_SECONDS * 2.0**self.step_asides)
         self.step_asides += 1
         self.rejoin_at = now + pause
         self._nobody_serving_since = None

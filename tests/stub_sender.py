@@ -36,12 +36,29 @@ class StubSender:
 
     def __init__(self, latency: float = 0.02) -> None:
         self.latency = latency
+        #: Seconds a batch takes (``latency`` unless set): a slow partition, say.
+        self.latency_of: Callable[[Batch], float] = lambda batch: self.latency
         self.decide: Callable[[OutboxRecord], Verdict] = lambda record: "ack"
+        #: While true of a batch whose latency is over, it stays in flight (a batch that does
+        #: not end); it ends at the first serve after it turns false.
+        self.holds: Callable[[Batch], bool] = lambda batch: False
+        #: What a take-over answers (exactly-once: what the shards' last owners committed);
+        #: it may raise (Kafka does not answer) or block (a coordinator that hangs).
+        self.answer_take_over: Callable[[Sequence[int]], dict[int, list[Ack]]] = lambda s: {}
         self.reachable = True
         self.acked: list[OutboxRecord] = []
         self.log: list[tuple[str, frozenset[int]]] = []  # ("start" | "end", shards)
         self.overlaps = 0  # batches started while another was in flight
         self.offsets = 0
+        #: The serve() calls, when each began (time.monotonic()).
+        self.serves: list[float] = []
+        #: Each batch started: when, and its shards.
+        self.starts: list[tuple[float, frozenset[int]]] = []
+        self.take_overs: list[tuple[int, ...]] = []
+        self.take_over_failures = 0
+        self.let_go_shards: list[tuple[int, ...]] = []
+        self.stops = 0  # stop_sending() calls
+        self.probes = 0
         self._flights: list[tuple[Batch, float]] = []
         self._in_flight_shards: set[int] = set()
         self._lock = threading.Lock()
@@ -54,32 +71,44 @@ class StubSender:
             if self._flights:
                 self.overlaps += 1
             self._in_flight_shards |= batch.shards
-            self._flights.append((batch, time.monotonic() + self.latency))
+            now = time.monotonic()
+            self._flights.append((batch, now + self.latency_of(batch)))
             self.log.append(("start", batch.shards))
+            self.starts.append((now, batch.shards))
 
     def serve(self, timeout: float) -> list[tuple[Batch, BatchResult]]:
+        began = time.monotonic()
         with self._lock:
-            first = min((ends for _, ends in self._flights), default=None)
-        now = time.monotonic()
-        time.sleep(max(0.0, min(timeout, (first if first is not None else now + timeout) - now)))
+            self.serves.append(began)
+            due = [ends for batch, ends in self._flights if not self.holds(batch)]
+        first = min(due, default=began + timeout)
+        # A held batch is looked at again within a tenth of a second.
+        first = min(first, began + 0.1) if len(due) < len(self._flights) else first
+        time.sleep(max(0.0, min(timeout, first - began)))
         ended: list[tuple[Batch, BatchResult]] = []
         with self._lock:
             now = time.monotonic()
-            for flight in [f for f in self._flights if f[1] <= now]:
+            for flight in [f for f in self._flights if f[1] <= now and not self.holds(f[0])]:
                 self._flights.remove(flight)
                 ended.append((flight[0], self._end(flight[0])))
         return ended
 
     def take_over(self, shards: Sequence[int]) -> dict[int, list[Ack]]:
-        return {}
+        self.take_overs.append(tuple(shards))
+        try:
+            return self.answer_take_over(shards)
+        except BaseException:
+            self.take_over_failures += 1
+            raise
 
     def let_go(self, shards: Sequence[int]) -> None:
-        return None
+        self.let_go_shards.append(tuple(shards))
 
     def stop_sending(self) -> None:
-        return None
+        self.stops += 1
 
     def probe(self, timeout: float) -> bool:
+        self.probes += 1
         return self.reachable
 
     @property

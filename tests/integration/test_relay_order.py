@@ -19,11 +19,18 @@ from outbox.devstack.kafka import KafkaBroker
 from outbox.devstack.topics import consume_messages
 from outbox.records import OutboxRecord
 from outbox.relay.policy import RETRIABLE, classify
-from outbox.relay.producers import AtLeastOncePublisher
+from outbox.relay.sender import AtLeastOnceSender
 from outbox.relay.store import RelayStore
 from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, shard_of
 from outbox.sending import order_gaps
-from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
+from tests.relay_helpers import (
+    message_id,
+    relay_config,
+    running_relay,
+    send_and_wait,
+    statuses,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -148,35 +155,37 @@ def test_a_batch_that_runs_out_of_time_leaves_nothing_in_flight_and_no_gap(
     faulty_kafka: FaultProxy, kafka_broker: KafkaBroker, make_topic
 ) -> None:  # type: ignore[no-untyped-def]
     topic = make_topic("deadline", partitions=3)
-    publisher = AtLeastOncePublisher(
-        {"bootstrap.servers": f"127.0.0.1:{faulty_kafka.listen_port}"}, 3000
-    )
+    sender = AtLeastOnceSender({"bootstrap.servers": f"127.0.0.1:{faulty_kafka.listen_port}"}, 3000)
     try:
-        assert len(publisher.publish(records(topic, 20, keys=4)).acks) == 20  # connected
+        assert len(send_and_wait(sender, records(topic, 20, keys=4)).acks) == 20  # connected
         faulty_kafka.stall()
         batch = records(topic, 200, keys=4)
-        result = publisher.publish(batch)
-        assert not result.acks and len(publisher.producer) == 0
-        assert {e.code() for e in result.errors.values()} == {KafkaError._TIMED_OUT}
+        result = send_and_wait(sender, batch)
+        # Nothing acknowledged, nothing left in flight: each record failed retriably (its
+        # deadline) or, the gap-less producer replaced at the purge, was given back unsent.
+        assert not result.acks and sender.in_flight == 0
+        assert set(result.errors) | set(result.not_attempted) == {r.id for r in batch}
+        assert {e.code() for e in result.errors.values()} <= {KafkaError._TIMED_OUT}
         assert all(classify(e) == RETRIABLE for e in result.errors.values())
         faulty_kafka.heal()
         # Latency that lets part of a batch through before the deadline: what was
         # acknowledged is, per partition, what came first.
         faulty_kafka.set_latency(700)
         slow = records(topic, 3000, keys=6)
-        partial = publisher.publish(slow)
+        partial = send_and_wait(sender, slow)
         faulty_kafka.heal()
         assert order_gaps(slow, partial, lambda e: classify(e) == RETRIABLE) == []
-        assert len(partial.acks) + len(partial.errors) == len(slow)
-        assert len(publisher.producer) == 0
-        assert len(publisher.publish(records(topic, 20, keys=4)).acks) == 20  # still usable
+        answered = {a.id for a in partial.acks} | set(partial.errors) | set(partial.not_attempted)
+        assert answered == {r.id for r in slow}
+        assert sender.in_flight == 0
+        assert len(send_and_wait(sender, records(topic, 20, keys=4)).acks) == 20  # still usable
         by_partition: dict[int, list[int]] = defaultdict(list)
         for ack in partial.acks:
             by_partition[ack.partition].append(ack.offset)
         for offsets in by_partition.values():
             assert sorted(offsets) == list(range(min(offsets), min(offsets) + len(offsets)))
     finally:
-        publisher.close()
+        sender.close()
 
 
 def test_two_batches_in_flight_are_purged_at_the_first_deadline_even_while_the_loop_is_busy(
