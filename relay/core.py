@@ -105,8 +105,7 @@ class RelayCore:
         self.busy: dict[int, int] = {}
         #: Messages refused together with others: sent alone next (id -> shard).
         self.suspects: dict[uuid.UUID, int] = {}
-        #: Exactly-once shards whose transaction failed as a whole: fewer rows per
-        #: transaction until one commits.
+        #: Exactly-once shards whose transaction failed whole: fewer rows until one commits.
         self.caps: dict[int, int] = {}
         self.stopping = False
         self.next_rebalance = 0.0
@@ -230,6 +229,8 @@ class RelayCore:
             return self._stepped_aside(event.released, now)
         if isinstance(event, Probed):
             self.reach.probed(event.reached, now, idle=self.idle and self.reach.may_send(now))
+            if event.reached and not self.stopping:
+                self.next_rebalance = now  # fresh evidence: join and take shards with it now
         elif isinstance(event, Woken):
             self.reads.woken()
         return []

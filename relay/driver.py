@@ -219,6 +219,7 @@ class Driver:
             self.health.stepped_aside = False
         elif isinstance(event, SteppedAside) and event.released is not None:
             self.health.stepped_aside = True  # not ready until it joins the members again
+            self.health.batch_done(progressed=True)  # owning nothing, it is not stuck
             log.warning(
                 "Kafka does not answer this relay: stepping aside (released shards %s) so that "
                 "the other relays take them, for %.0fs at least",

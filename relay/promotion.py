@@ -156,6 +156,13 @@ class ScheduledPromotion:
         self.metrics.promoted.inc(promoted)
         return promoted
 
+    def look_waiting(self, now: float | None = None) -> bool:
+        """Whether a look is due now (one skipped since the last, or the next due time
+        come): a relay with no read to make makes it before it sleeps."""
+        now = time.monotonic() if now is None else now
+        due_now = self._next_due is not None and now >= self._next_due
+        return (self._skipped and now >= self._next_look) or due_now
+
     def sleep_bound(self, timeout: float, now: float | None = None) -> float:
         """``timeout``, cut to the next due time of the shards last looked at, and to the next
         look allowed when one was skipped since the last look made."""

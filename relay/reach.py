@@ -88,7 +88,10 @@ class KafkaReach:
         self.probing = False
         if reached:
             self.last_probe = now
-            if idle and self._probe_clears:
+            # A failed take-over is ended by a probe only once it is as old as a step aside's
+            # wait: a relay whose take-overs keep failing steps aside meanwhile.
+            old = self.failing_since is not None and now - self.failing_since >= STEP_ASIDE_AFTER
+            if idle and (self._probe_clears or old):
                 self._failure_ended(now)
 
     def failed(self, now: float, probe_clears: bool) -> None:

@@ -89,7 +89,8 @@ class ReadPlanner:
                 self._empty_until[shard] = now + RELOOK_SECONDS
             else:
                 self._empty_until.pop(shard, None)
-        self.behind = full or max(per_shard.values(), default=0) >= read.per_shard
+        if rows:  # an empty read (beside the batches in flight) says nothing of a backlog
+            self.behind = full or max(per_shard.values()) >= read.per_shard
 
     def looked(
         self, read: Read, rows: Sequence[PendingRow], busy: Collection[int], now: float

@@ -127,6 +127,11 @@ class TableSource:
         holds rows of the owned shards, and once more when those leases are gone). Returns
         whether to look again at once (woken)."""
         assert self._wake is not None and self.conn is not None
+        # A look due that no read makes (every shard was found empty lately): made here, so
+        # that the relay does not spin until a read would make it.
+        waiting = self.promotion.look_waiting() and self._owned
+        if waiting and self.promotion.promote(self._owned, self.conn, self.owner_key):
+            return True
         timeout = self.promotion.sleep_bound(timeout)
         # The immediate sender's mark wakes nobody: look as often as while another relay works.
         if timeout > WORKING_PAUSE:

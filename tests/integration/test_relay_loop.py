@@ -339,13 +339,6 @@ def test_a_transaction_written_to_an_idle_relay_goes_in_one_batch_over_all_its_s
 SLOW_TIMERS = {"poll_interval": 8.0, "rebalance_interval": 4.0}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a relay takes shards only with evidence at most EVIDENCE_SECONDS (5 s) old; idle, "
-    "it turns only at its poll and rebalance timers, and asks for a probe in the same turn as "
-    "the rebalance that needs it (answered after it): with both intervals above 5 s its probe "
-    "is always stale when it rebalances, and it never joins nor takes a shard",
-)
 def test_a_relay_with_long_poll_and_rebalance_intervals_takes_its_shards(
     outbox_url: str,
 ) -> None:
@@ -405,10 +398,9 @@ def test_a_transaction_committed_beside_a_batch_in_flight_goes_in_one_batch(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="a read that finds nothing clears the planner's 'behind' (ReadPlanner.read): the "
-    "reads of the empty idle shards beside the batch in flight do, so once the batch is "
-    "recorded the next read takes every shard again, both keys' shards in one batch: a "
-    "backlog in a few shards goes one batch at a time, never read beside a batch in flight",
+    reason="behind a backlog a read takes the shards read longest ago, and the two shards of "
+    "the backlog, read together once, are read together ever after: at-least-once a read is "
+    "one batch, so a backlog in a few shards goes one batch at a time",
 )
 @pytest.mark.parametrize(("batch_size", "count"), [(1000, 3000), (50, 600)])
 def test_a_backlog_of_two_keys_in_two_halves_is_read_beside_the_batch_in_flight(
@@ -873,11 +865,6 @@ def test_a_relay_whose_take_overs_keep_failing_steps_aside_and_the_healthy_one_s
     assert relay_log.step_asides("healthy") == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HealthState.stepped_aside is never set by the rewritten relay: /readyz says ready "
-    "while the relay is out of the members and owns nothing",
-)
 def test_a_relay_that_stepped_aside_is_not_ready(
     engine: sa.Engine, outbox_url: str, quick_reach: None, relay_log: RelayLog
 ) -> None:
@@ -1065,13 +1052,6 @@ def test_a_relay_that_stepped_aside_comes_back_at_once_when_no_member_is_left(
         assert time.monotonic() - left < 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HealthState.stuck_since, set by batches that came back unsent (lost producers), is "
-    "reset only by a batch that got somewhere or a read that found nothing with nothing in "
-    "flight: a relay that stepped aside owns no shard and reads nothing, so /healthz says "
-    "'stuck' stale_after later and a supervisor restarts it, losing its step-aside pause",
-)
 def test_a_relay_that_stepped_aside_after_its_batches_came_back_is_not_reported_stuck(
     engine: sa.Engine,
     outbox_url: str,
@@ -1106,13 +1086,6 @@ def test_a_relay_that_stepped_aside_after_its_batches_came_back_is_not_reported_
             assert not is_member(a_relay, engine)
 
 
-@pytest.mark.xfail(
-    strict=False,  # it fails in about one run in three: see the report of the port
-    reason="a reconnect forgets that the relay came back (core.lost_database: joined False) "
-    "but not its step-aside pause (KafkaReach.rejoin_at, 60 s here, ended by nothing but time): "
-    "it joins again only if a rebalance happens to see no other relay serving, else it stays "
-    "out, owning nothing, until the pause ends",
-)
 def test_a_relay_back_early_from_stepping_aside_stays_in_after_a_reconnect(
     engine: sa.Engine,
     outbox_url: str,
@@ -1140,14 +1113,6 @@ def test_a_relay_back_early_from_stepping_aside_stays_in_after_a_reconnect(
         assert relay_log.step_asides("a") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a failed take-over is ended only by evidence (an ack, a take-over that works): an "
-    "idle relay's probes do not end it (KafkaReach.failed(probe_clears=False)), so a relay "
-    "whose one take-over failed and that takes nothing over again stays stalled and never "
-    "serves; a relay beside it whose take-overs all fail never steps aside for it, and that "
-    "relay's share waits unsent for as long as this one's shards get no traffic",
-)
 def test_one_failed_take_over_a_while_ago_does_not_keep_an_idle_relay_from_serving(
     engine: sa.Engine, outbox_url: str, quick_reach: None
 ) -> None:

@@ -105,12 +105,13 @@ class SlowStub(StubSender):
     """A stub sender whose first batch with a row of one of ``slow_keys`` takes
     ``slow_latency``, and which fails the first send of each of ``failing_keys`` (retriably).
 
-    A retriable failure is charged to its message (recorded, with a backoff) only when Kafka
-    answered a batch sent after the failed one: else it is taken for an outage, and the row
-    is sent again unrecorded. A test that needs a failure recorded makes its batch slow and
-    has another batch sent and answered meanwhile."""
+    A retriable failure is charged to its message (recorded, with a backoff) only while Kafka
+    takes this relay's later batches (one sent after the failed one answered, the last answer
+    under a second old): else it is taken for an outage, and the row is sent again unrecorded.
+    A test that needs a failure recorded makes its batch slow (under a second) and has another
+    batch sent and answered meanwhile."""
 
-    def __init__(self, slow_latency: float = 1.5) -> None:
+    def __init__(self, slow_latency: float = 0.6) -> None:
         super().__init__()
         self.fast = self.latency
         self.slow_latency = slow_latency
