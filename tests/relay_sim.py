@@ -954,6 +954,12 @@ class SimSource:
         }
         rows = [row for row in rows if row.shard in held]  # as owner_alive / the lock protect
         self.world.reads += 1
+        if len(rows) >= read.size:  # a backlog: what it left for the next read is no wake-up
+            returned = {row.id for row in rows}
+            for row_id in list(self.world.wake_watch):
+                row = self.world.table.rows.get(row_id)
+                if row is not None and row.shard in read.shards and row_id not in returned:
+                    del self.world.wake_watch[row_id]
         return rows
 
     def busy(self) -> None:
@@ -1265,8 +1271,10 @@ class World:
                 and not behind
                 and sim.source.asleep
                 and sim.relay.core.idle
+                and not sim.relay.core.suspects  # (sent alone, nothing else meanwhile)
                 and sim.relay.core.reach.may_send(self.now)
                 and row.deliver_at is None
+                and (row.lease_until is None or row.lease_until <= self.now)
                 and row.topic == "orders"
                 and not sim.stop.is_set()
             ):
