@@ -723,11 +723,11 @@ SELECT topic, status, count(*) AS n
 
 -- name: status_relays
 -- The relays connected to this table, from the advisory locks they hold on their owner
--- session (outbox/relay/ownership.py): its session lock (:session_space, one per relay), its
+-- session (outbox/relay/leases.py): its session lock (:session_space, one per relay), its
 -- member lock (:member_space, while it takes part in sharing the shards), its serving lock
--- (:serving_space, while its last take-over or batch worked) and one lock per shard it owns
--- (:shard_space, the shard number). Reading pg_locks briefly takes every lock-manager
--- partition's lock: fine for an operator's command, not for a loop.
+-- (:serving_space, while Kafka takes its work, see outbox/relay/reach.py) and one lock per
+-- shard it owns (:shard_space, the shard number). Reading pg_locks briefly takes every
+-- lock-manager partition's lock: fine for an operator's command, not for a loop.
 SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr,
        a.backend_start, CAST(l.classid AS bigint) AS space, CAST(l.objid AS bigint) AS number
   FROM pg_locks AS l
