@@ -60,7 +60,7 @@ class RelayMetrics:
         )
         self.scheduled = Gauge(
             "outbox_relay_scheduled",
-            "Scheduled messages waiting in the table (counted once a minute)",
+            "Scheduled messages waiting in the table (counted every 5 s)",
             registry=r,
         )
         self.scheduled_overdue = Gauge(
@@ -107,7 +107,7 @@ class HealthState:
         self.database_ok = False
         self.kafka_ok = False
         self.stopping = False
-        #: Out of the members for a while after its take-overs kept failing.
+        #: Out of the members for a while: Kafka did not answer it while another relay served.
         self.stepped_aside = False
         #: When the oldest batch or take-over still unfinished began (None: nothing runs).
         self.oldest_unfinished: float | None = None
@@ -204,7 +204,7 @@ class HealthState:
                 ("not alive", not self.alive),
                 ("database out of reach", not self.database_ok),
                 ("Kafka out of reach", not self.kafka_ok),
-                ("stepped aside: its shard take-overs kept failing", self.stepped_aside),
+                ("stepped aside: Kafka did not answer it", self.stepped_aside),
             )
             if bad
         ]
