@@ -1003,6 +1003,16 @@ class SimRecorder:
         self.relay.session.statement()
 
     def submit(self, recording: Recording) -> None:
+        owned = self.relay.relay.core.owned
+        if recording.batch is not None and any(
+            recording.shard_of[ack.id] not in owned for ack in recording.acks
+        ):
+            # Its shards went idle, or were forgotten (stepping aside, the database lost):
+            # another relay may own them and send (exactly-once: commit) the same rows.
+            self.world.violation(
+                f"{self.relay.name} records batch {recording.batch.number} of shards it no "
+                f"longer owns ({sorted(recording.batch.shards - owned)})"
+            )
         delay = self.world.rng.choice((0.001, 0.002, 0.005, 0.02))
         self.running.append((self.world.now + delay, recording, self.relay.session.number))
 
@@ -1221,6 +1231,8 @@ class World:
         self.notes: list[str] = []
         #: Rows committed to a sleeping relay (see commit_seen), and when.
         self.wake_watch: dict[uuid.UUID, tuple[float, float]] = {}
+        #: Scheduled messages of one key, the first due first: they go in that order.
+        self.due_pairs: list[tuple[uuid.UUID, uuid.UUID]] = []
         self.blocked = 0.0
         self.first_sent: dict[uuid.UUID, float] = {}
         self.faulty_since = float("-inf")
@@ -1416,6 +1428,22 @@ class World:
             if not self.copies.get(row_id):
                 self.violation(f"{row_id} deleted as sent but on no topic")
         self.check_order()
+        for first, second in self.due_pairs:
+            before, after = self.copies.get(first), self.copies.get(second)
+            if (
+                before
+                and after
+                and (before[0].partition, before[0].offset)
+                > (
+                    after[0].partition,
+                    after[0].offset,
+                )
+            ):
+                self.violation(
+                    f"{str(second)[:8]} went before {str(first)[:8]}, due before it (a key's "
+                    "scheduled messages go in their due order)"
+                )
+                break
         for row_id, (at, blocked) in self.wake_watch.items():
             committed = at - blocked
             sent = self.first_sent.get(row_id)
@@ -1521,6 +1549,7 @@ class World:
         second = self.table.insert("orders", key, 30, deliver_at=self.now + 0.15)
         self.table.commit([first, second])
         self.table.locked[first.id] = self.now + self.rng.choice((0.2, 0.5))
+        self.due_pairs.append((first.id, second.id))
 
     def lease_row(self) -> None:
         """A message written for the immediate sender: leased to it from the start; it sends
