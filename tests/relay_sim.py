@@ -1188,7 +1188,9 @@ class World:
         self.exactly_once = exactly_once
         self.config = RelayConfig(
             database_url="postgresql+psycopg://sim@127.0.0.1/sim",
-            kafka={"bootstrap.servers": "sim:9092"},
+            # Requests of librdkafka's size, or small ones: a partition's records of one batch
+            # then go in several requests, and one refused must stop those after it.
+            kafka={"bootstrap.servers": "sim:9092", "batch.size": self.rng.choice((10**6, 3000))},
             spec=OutboxTableSpec(),
             mode="exactly-once" if exactly_once else "at-least-once",
             batch_size=self.rng.choice((3, 8, 20)),
