@@ -223,3 +223,10 @@ def owns_all_and_sleeps(relay: Relay) -> bool:
     from outbox.schema import SHARD_COUNT
 
     return len(relay.owned_shards) == SHARD_COUNT and relay.asleep
+
+
+def owns_every_shard(relay: Relay) -> bool:
+    """The relay (alone) owns every shard and has taken each over."""
+    from outbox.schema import SHARD_COUNT
+
+    return len(relay.owned_shards) == SHARD_COUNT and not relay.core.taking_over

@@ -77,19 +77,7 @@ class RelayResumedLate(AssertionError):
     ("mode", "replication"),
     [
         ("at-least-once", "async"),
-        pytest.param(
-            "exactly-once",
-            "sync",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=RelayResumedLate,
-                reason="relay: after losing its database an exactly-once relay takes its "
-                "shards over again in one batch, fencing every shard's producer and reading "
-                "its progress before the first send (8.6 s of fencing for 16 shards on a "
-                "busy machine), so its first send from the new primary comes 15-30 s after "
-                "the kill",
-            ),
-        ),
+        ("exactly-once", "sync"),
     ],
 )
 @pytest.mark.slow

@@ -15,8 +15,10 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from outbox.engines import sender_engine
 from outbox.relay.config import RelayConfig
-from outbox.relay.daemon import Relay
+from outbox.relay.connections import open_session
+from outbox.relay.store import RelayStore
 from outbox.schema import DEFAULT_SPEC
 
 PENDING = 5_000
@@ -61,10 +63,22 @@ def stale_table(engine: sa.Engine) -> list[uuid.UUID]:
         return [row[0] for row in rows]
 
 
+class Sessions:
+    """The relay's store and its sessions, as the relay opens them (no relay runs)."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self.store = RelayStore(
+            sender_engine(config.database_url, durable=False), config.spec, "plans", False
+        )
+
+    def _open_session(self, name: str, marking: bool = False) -> psycopg.Connection:
+        return open_session(self.config, name, marking=marking, reading=not marking)
+
+
 @pytest.fixture
-def relay(outbox_url: str) -> Iterator[Relay]:
-    config = RelayConfig(database_url=outbox_url, kafka={"bootstrap.servers": "127.0.0.1:9"})
-    yield Relay(config, publisher=object())  # type: ignore[arg-type]  # never publishes
+def relay(outbox_url: str) -> Iterator[Sessions]:
+    yield Sessions(RelayConfig(database_url=outbox_url, kafka={"bootstrap.servers": "127.0.0.1:9"}))
 
 
 def plan(session: psycopg.Connection, sql: str, params: dict[str, object]) -> str:
@@ -73,7 +87,7 @@ def plan(session: psycopg.Connection, sql: str, params: dict[str, object]) -> st
 
 @pytest.mark.parametrize("statement", ["mark_sent", "delete_sent"])
 def test_a_mark_on_a_marking_session_uses_the_primary_key_where_the_pending_index_looks_cheaper(
-    relay: Relay, stale_table: list[uuid.UUID], statement: str
+    relay: Sessions, stale_table: list[uuid.UUID], statement: str
 ) -> None:
     ids = stale_table
     params: dict[str, object] = {
@@ -102,7 +116,7 @@ def test_a_mark_on_a_marking_session_uses_the_primary_key_where_the_pending_inde
         session.close()
 
 
-def test_only_the_marking_sessions_run_without_nested_loops(relay: Relay) -> None:
+def test_only_the_marking_sessions_run_without_nested_loops(relay: Sessions) -> None:
     """The reads need nested loops (a lateral scan per shard); the marks must not have them."""
     marking = relay._open_session("plans/mark", marking=True)
     reading = relay._open_session("plans/read")

@@ -137,10 +137,10 @@ def test_a_crash_forgets_no_dead_mark_so_no_message_goes_after_a_later_one_of_it
     a key; m1 dies (dead rows do not hold their key back) and m2 is sent. Had the dead mark
     been forgotten in a crash, m1 would be pending again and, Kafka well again, go after m2.
     Sent marks that a crash forgets only send their rows again."""
-    from outbox.relay.daemon import Relay
-    from tests.integration.test_relay_loop import StubPublisher, config, looping, publish
+    from tests.relay_helpers import looping
+    from tests.stub_sender import StubSender, publish, stub_config, stub_relay
 
-    stub = StubPublisher(latency=0.01)
+    stub = StubSender(latency=0.01)
     first: list[uuid.UUID] = []
     kafka_refuses_m1 = True
     stub.decide = lambda record: (
@@ -150,7 +150,7 @@ def test_a_crash_forgets_no_dead_mark_so_no_message_goes_after_a_later_one_of_it
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
     try:
-        with looping(Relay(config(outbox_url), publisher=stub)):
+        with looping(stub_relay(stub_config(outbox_url), stub)):
             first.extend(publish(engine, 2, keys=1))  # m1, m2: one key, one transaction
             wait_for(lambda: statuses(engine) == {"sent": 1, "dead": 1}, 30, "m1 dead, m2 sent")
             others = publish(engine, 20, keys=20)  # marked sent without waiting for the disk

@@ -142,17 +142,18 @@ def test_three_relays_ride_out_a_broker_outage_in_key_order(
     kafka_broker.stop()
     try:
         more = publish_orders(engine, topic, 1500, keys=20, start=1500)  # written during the outage
-        time.sleep(8)  # long enough for deliveries to time out and back off
+        time.sleep(8)  # long enough for deliveries to time out
     finally:
         kafka_broker.start()
     wait_for(lambda: statuses(engine) == {"sent": 3000}, 120, "everything sent after the outage")
     for relay in relays:
         assert stop_process(relay) == 0
     with engine.connect() as conn:
-        retried = conn.execute(
+        charged = conn.execute(
             sa.text("SELECT count(*) FROM outbox WHERE attempts > 1")
         ).scalar_one()
     records = consume_messages(bootstrap_servers, topic, expect=3000, timeout=90)
     assert set(message_id(r) for r in records) == set(ids + more)
     assert first_occurrences_in_key_order(records)
-    assert retried > 0, "the outage should have made some deliveries fail and retry"
+    # The outage is Kafka's failure, not the messages': none is charged an attempt for it.
+    assert charged == 0, f"{charged} messages charged more than one attempt for an outage"

@@ -27,7 +27,14 @@ from outbox.scheduled import ScheduledMessages
 from outbox.schema import DEFAULT_SPEC, SHARD_COUNT, OutboxTableSpec
 from outbox.status import read_status
 from tests.conftest import outbox_conninfo
-from tests.relay_helpers import message_id, relay_config, running_relay, statuses, wait_for
+from tests.relay_helpers import (
+    message_id,
+    owns_every_shard,
+    relay_config,
+    running_relay,
+    statuses,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -125,7 +132,7 @@ def test_the_relay_sends_when_due_not_before_and_holds_back_nothing_meanwhile(  
     # send the message in time.
     config = relay_config(outbox_url, bootstrap_servers, poll_interval=30.0)
     with running_relay(config) as relay:
-        wait_for(lambda: relay._owns_shards(), 30, "the relay to own its shards")
+        wait_for(lambda: owns_every_shard(relay), 30, "the relay to own its shards")
         with ob.transaction() as tx:
             first = tx.publish(topic, "first", key="k").message_id
             scheduled = tx.publish(topic, "scheduled", key="k", deliver_after=2.0).message_id
@@ -313,7 +320,11 @@ def test_the_relay_gauges_count_scheduled_and_overdue_messages(engine, outbox_ur
             )
         )
     metrics = RelayMetrics()
-    ScheduledPromotion(DEFAULT_SPEC, metrics).refresh_gauges(engine)
+    raw = engine.raw_connection()  # the gauges' psycopg session, as the relay's own
+    try:
+        ScheduledPromotion(DEFAULT_SPEC, metrics).refresh_gauges(raw.driver_connection)
+    finally:
+        raw.close()
     assert metrics.registry.get_sample_value("outbox_relay_scheduled") == 3
     assert metrics.registry.get_sample_value("outbox_relay_scheduled_overdue") == 1
     assert promote_all(DEFAULT_SPEC, outbox_url) == 1

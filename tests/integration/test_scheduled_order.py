@@ -23,7 +23,7 @@ from outbox.chaos.writers import BUSINESS_TABLE, CREATE_BUSINESS_TABLE
 from outbox.queries import Queries
 from outbox.schema import DEFAULT_SPEC
 from tests.integration.test_scheduled import promote_all
-from tests.relay_helpers import relay_config, running_relay, wait_for
+from tests.relay_helpers import owns_every_shard, relay_config, running_relay, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ def test_a_writer_open_across_the_promotion_may_follow_it(  # type: ignore[no-un
     topic = make_topic("sched-open-writer")
     ob = Outbox(audited)
     with running_relay(relay_config(outbox_url, bootstrap_servers)) as relay:
-        wait_for(lambda: relay._owns_shards(), 30, "the relay to own its shards")
+        wait_for(lambda: owns_every_shard(relay), 30, "the relay to own its shards")
         with audited.begin() as conn:
             due = write(ob, conn, topic, "due", deliver_after=1.5)
         # The key's writer writes its next message (the lower seq) before the promotion and
@@ -105,7 +105,7 @@ def test_a_writer_that_commits_while_the_promotion_is_open_may_precede_it(  # ty
     with audited.begin() as conn:
         due = write(ob, conn, topic, "due", deliver_after=3600)
     with running_relay(relay_config(outbox_url, bootstrap_servers)) as relay:
-        wait_for(lambda: relay._owns_shards(), 30, "the relay to own its shards")
+        wait_for(lambda: owns_every_shard(relay), 30, "the relay to own its shards")
         # A promotion (the relay's own statement) takes its seq, and has not committed when
         # the key's writer writes and commits the next message (the higher seq).
         with audited.connect() as conn, conn.begin():

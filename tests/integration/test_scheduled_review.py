@@ -35,13 +35,6 @@ def status(engine: sa.Engine, message_id: uuid.UUID) -> str:
         return str(conn.execute(query, {"id": message_id}).scalar_one())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the relay passes over a due row locked by a cancel and learns no time to look "
-    "again: when the cancel rolls back, an idle relay sends the message only when it next "
-    "wakes (--rebalance-interval or --poll-interval, whichever is shorter), not within about "
-    "a second",
-)
 def test_a_cancel_rolled_back_after_the_due_time_is_sent_within_a_second(  # type: ignore[no-untyped-def]
     engine, outbox_url, bootstrap_servers, make_topic
 ) -> None:
