@@ -141,7 +141,9 @@ class RelayCore:
         ):
             self._step_aside_tried = now
             commands.append(StepAside())
-        serving = self.joined and self.reach.serving(now, waiting)
+        serving = self.joined and self.reach.serving(
+            now, waiting, owns_shards=bool(self.owned - self.taking_over)
+        )
         if serving != self._serving:
             self._serving = serving
             commands.append(Serving(serving))

@@ -16,7 +16,9 @@ a shard's last owner, or (while nothing of it waits for Kafka) a broker answerin
 - **Stalled.** Since the relay has had work that Kafka does not answer (a batch in flight
   with nothing acknowledged since it began, an outage pause, a failed take-over), it is
   *stalled*. A relay stalled for :data:`EVIDENCE_SECONDS` does not serve (it lets the other
-  relays know through its serving lock); stalled for :data:`STEP_ASIDE_AFTER` it steps aside
+  relays know through its serving lock), nor one that owns no shard and whose take-over
+  failed since its last ack, whatever its probes say (a broker answering says nothing of the
+  coordinator); stalled for :data:`STEP_ASIDE_AFTER` it steps aside
   if another relay serves, in either mode: its own path to Kafka may be what is broken.
 - **Stepping aside** lasts :data:`STEP_ASIDE_SECONDS`, doubled at
   each step aside in a row (up to :data:`LONGEST_STEP_ASIDE`); the relay comes back sooner
@@ -57,6 +59,10 @@ class KafkaReach:
         #: while a later one got through failed for its own reasons.
         self.newest_acked = float("-inf")
         self.last_probe = float("-inf")
+        #: The last failed take-over: until an ack comes after it, probes do not make this
+        #: relay serve unless it owns shards (a broker answering says nothing of its
+        #: coordinator).
+        self.take_over_failed = float("-inf")
         self.probing = False
         #: Since when a failure with no evidence (an outage, a failed take-over) holds.
         self.failing_since: float | None = None
@@ -98,6 +104,8 @@ class KafkaReach:
         """A batch or a take-over failed with no evidence since it began: pause sending.
         A failed take-over is ended only by evidence (``probe_clears`` False): a relay
         whose take-overs keep failing steps aside, however well its probes go."""
+        if not probe_clears:
+            self.take_over_failed = now
         if self.failing_since is None:
             self.failing_since = now
             self._probe_clears = probe_clears
@@ -148,12 +156,14 @@ class KafkaReach:
         started = [t for t in (unanswered, self.failing_since) if t is not None]
         return min(started, default=None)
 
-    def serving(self, now: float, waiting_since: float | None) -> bool:
+    def serving(self, now: float, waiting_since: float | None, owns_shards: bool) -> bool:
         """Whether this relay tells the others that it reaches Kafka."""
         stalled = self.stalled_since(waiting_since)
         if stalled is not None and now - stalled >= EVIDENCE_SECONDS:
             return False
-        return now - max(self.last_ack, self.last_probe) <= 2 * EVIDENCE_SECONDS
+        probes_count = owns_shards or self.take_over_failed <= self.last_ack
+        probe = self.last_probe if probes_count else float("-inf")
+        return now - max(self.last_ack, probe) <= 2 * EVIDENCE_SECONDS
 
     def should_step_aside(self, now: float, waiting_since: float | None) -> bool:
         stalled = self.stalled_since(waiting_since)

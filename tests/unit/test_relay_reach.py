@@ -1,0 +1,41 @@
+"""What a relay concludes about its reach to Kafka from what it saw (no I/O)."""
+
+from __future__ import annotations
+
+from outbox.relay.reach import EVIDENCE_SECONDS, STEP_ASIDE_AFTER, KafkaReach
+
+
+def test_a_relay_without_shards_whose_take_over_failed_does_not_serve_on_probes() -> None:
+    """Its old failure ends at a probe (it is not stalled for good), but it tells the others
+    it serves only after an ack: else a relay whose take-overs fail too would step aside
+    for it."""
+    reach = KafkaReach()
+    reach.probed(True, 0.0, idle=True)
+    assert reach.serving(0.0, None, owns_shards=False)
+    reach.failed(1.0, probe_clears=False)
+    late = 1.0 + STEP_ASIDE_AFTER
+    reach.probed(True, late, idle=True)
+    assert reach.stalled_since(None) is None
+    assert not reach.should_step_aside(late, None)
+    assert not reach.serving(late, None, owns_shards=False)
+    reach.reached(late + 1.0)
+    assert reach.serving(late + 1.0, None, owns_shards=False)
+
+
+def test_a_relay_with_shards_serves_on_probes_once_its_failed_take_over_is_old() -> None:
+    """It sends the shards it owns: its share would wait if nobody stepped aside for it."""
+    reach = KafkaReach()
+    reach.reached(0.0)
+    reach.failed(1.0, probe_clears=False)
+    assert not reach.serving(1.0 + EVIDENCE_SECONDS, None, owns_shards=True)
+    late = 1.0 + STEP_ASIDE_AFTER
+    reach.probed(True, late, idle=True)
+    assert reach.serving(late, None, owns_shards=True)
+
+
+def test_a_relay_whose_batch_failed_serves_again_after_a_probe() -> None:
+    reach = KafkaReach()
+    reach.failed(0.0, probe_clears=True)
+    assert not reach.serving(EVIDENCE_SECONDS, None, owns_shards=True)
+    reach.probed(True, EVIDENCE_SECONDS, idle=True)
+    assert reach.serving(EVIDENCE_SECONDS, None, owns_shards=True)
