@@ -21,8 +21,8 @@ What it keeps:
   a refusal of it alone makes it dead. Its key's later messages wait behind it.
 - **Kafka's failures are not the messages'.** :mod:`outbox.relay.reach`.
 - **Bounded batches.** A batch holds at most :data:`~outbox.relay.reading.BATCH_BYTES` of
-  records, an exactly-once transaction at most :data:`PROGRESS_ACKS` messages (its progress
-  record lists them all, and a record has a size limit).
+  records, an exactly-once transaction at most :data:`~outbox.relay.progress.PROGRESS_ACKS`
+  messages (its progress record lists them all, and a record has a size limit).
 """
 
 from __future__ import annotations
@@ -65,14 +65,11 @@ from outbox.relay.policy import (
     RetryPolicy,
     classify,
 )
+from outbox.relay.progress import PROGRESS_ACKS
 from outbox.relay.reach import EVIDENCE_SECONDS, FIRST_PAUSE, KafkaReach
 from outbox.relay.reading import BATCH_BYTES, ReadPlanner, within_bytes
 from outbox.rows import UNDECODABLE, Failure, PendingRow
 from outbox.sending import Ack
-
-#: The most messages of one exactly-once transaction: its progress record lists each (about
-#: 60 bytes apiece), and must stay well under the broker's default record limit (1 MB).
-PROGRESS_ACKS = 8000
 
 
 class RelayCore:

@@ -28,6 +28,9 @@ from outbox.sending import Ack
 #: record and its transaction's commit marker); further back, doubling each time, only until
 #: one committed record is found.
 RECOVERY_OFFSETS = 64
+#: The most messages of one exactly-once transaction: its progress record lists each (about
+#: 60 bytes apiece), and must stay well under the broker's default record limit (1 MB).
+PROGRESS_ACKS = 8000
 
 
 def encode_progress(shard: int, owner: str, acks: list[Ack]) -> bytes:

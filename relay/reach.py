@@ -38,8 +38,8 @@ EVIDENCE_SECONDS = 5.0
 STEP_ASIDE_AFTER = 10.0
 #: An ack this recent shows Kafka still takes this relay's batches (see the module).
 LIVE_ACK_SECONDS = 1.0
-#: Out of the members the first time (as long as it was stalled before stepping aside).
-STEP_ASIDE_SECONDS = 10.0
+#: Out of the members the first time: as long as it was stalled before stepping aside.
+STEP_ASIDE_SECONDS = STEP_ASIDE_AFTER
 #: The longest step aside (four doublings of the first): each return costs the healthy relays
 #: a hand-over, and a relay whose own path stays broken comes back only this often.
 LONGEST_STEP_ASIDE = 160.0

@@ -13,7 +13,6 @@ manager does nothing and imports nothing. Run the relay under ``opentelemetry-in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -25,16 +24,16 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 TRACER_NAME = "outbox.relay"
-#: OpenTelemetry's default for OTEL_SPAN_LINK_COUNT_LIMIT: links past it are dropped.
-DEFAULT_LINK_LIMIT = 128
 
 
 def _link_limit() -> int:
-    """How many links a span keeps (the SDK's OTEL_SPAN_LINK_COUNT_LIMIT)."""
+    """How many links a span keeps: the SDK's limit (OTEL_SPAN_LINK_COUNT_LIMIT or its
+    default). Without the SDK spans record nothing, links neither."""
     try:
-        return int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT", DEFAULT_LINK_LIMIT))
-    except ValueError:
-        return DEFAULT_LINK_LIMIT
+        from opentelemetry.sdk.trace import SpanLimits
+    except ImportError:
+        return 0
+    return SpanLimits().max_links or 0
 
 
 @contextmanager
