@@ -256,10 +256,8 @@ class RelayCore:
             kept = {row.id.int for part in going for row in part}
             going = [[row for row in rows if row.id.int in kept]]
         commands: list[Command] = []
-        for part in going:
-            commands.extend(self._start(within_bytes(part, BATCH_BYTES), now, isolated=False))
-        for row in alone:
-            commands.extend(self._start([row], now, isolated=True))
+        for part, isolated in [*((p, False) for p in going), *(([r], True) for r in alone)]:
+            commands.extend(self._start(within_bytes(part, BATCH_BYTES), now, isolated))
         # A shard read that sends nothing now is looked at again later, not at once.
         self.reads.looked(read, rows, self.busy.keys(), now)
         return commands
@@ -341,6 +339,8 @@ class RelayCore:
         for done in [*(ack.id for ack in acks), *(f.id for f in failures)]:
             self.suspects.pop(done, None)
         if result.batch_error is not None and classify(result.batch_error) != RETRIABLE:
+            if len(batch.rows) <= len(batch.shards):  # refused at one message a shard
+                self.reach.failed(now, probe_clears=True)
             self._halve(batch)
         elif acks:
             for shard in batch.shards:
@@ -364,7 +364,7 @@ class RelayCore:
 
     def _halve(self, batch: Batch) -> None:
         """The transaction was refused as a whole (its progress record, say): fewer rows per
-        transaction until one commits."""
+        transaction until one commits; refused at one, the relay pauses as after an outage."""
         for shard in batch.shards:
             self.caps[shard] = max(1, len(batch.rows) // 2)
 

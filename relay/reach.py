@@ -87,6 +87,7 @@ class KafkaReach:
         self._pause = 0.0
         self.paused_until = float("-inf")
         self.step_asides = 0
+        self.rejoin_at = min(self.rejoin_at, now)  # evidence ends a pause: back early, it stays
 
     def probed(self, reached: bool, now: float, idle: bool) -> None:
         """A probe's answer; a broker answering an ``idle`` relay (nothing in flight, no

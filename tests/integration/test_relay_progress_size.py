@@ -5,6 +5,8 @@ Real PostgreSQL and Kafka."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import sqlalchemy as sa
 
@@ -63,3 +65,30 @@ def test_a_transaction_that_keeps_failing_is_counted_on_the_metrics(  # type: ig
 
         wait_until(counted, 30, "a failure counter on /metrics above 0")
     assert "sent" not in rows_by_status(engine)  # (no transaction could commit)
+
+
+def test_a_transaction_refused_for_good_is_tried_again_only_after_a_pause(  # type: ignore[no-untyped-def]
+    engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic
+) -> None:
+    """Halved down to one message and still refused, a shard's transaction is not tried
+    again at once, round after round: the relay pauses, doubling up to 5 s, as after an
+    outage (its failures are the progress topic's, not the messages')."""
+    topic = make_topic("progress-refused-pause")
+    options = mode_options("exactly-once", "progress-refused-pause")
+    create_topics(
+        bootstrap_servers, [options["progress_topic"]], SHARD_COUNT, {"max.message.bytes": "100"}
+    )
+    publish_orders(engine, topic, 1)  # one shard, one message
+    config = relay_config(outbox_url, bootstrap_servers, metrics_port=0, **options)
+    with watched(config) as relay:
+
+        def batches_failed() -> float:
+            relay.assert_running()
+            return failures_counted(relay).get("outbox_relay_batches_failed", 0.0)
+
+        wait_until(lambda: batches_failed() > 0, 30, "a failed transaction counted")
+        first = batches_failed()
+        time.sleep(10)
+        # Pauses of 0.5, 1, 2, 4 and 5 s: five tries in ten seconds, a few more at most.
+        assert batches_failed() - first <= 8
+    assert set(rows_by_status(engine)) == {"pending"}  # charged nothing, sent nothing

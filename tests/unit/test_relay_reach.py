@@ -39,3 +39,14 @@ def test_a_relay_whose_batch_failed_serves_again_after_a_probe() -> None:
     assert not reach.serving(EVIDENCE_SECONDS, None, owns_shards=True)
     reach.probed(True, EVIDENCE_SECONDS, idle=True)
     assert reach.serving(EVIDENCE_SECONDS, None, owns_shards=True)
+
+
+def test_a_take_over_that_worked_ends_the_pause_of_a_relay_back_early() -> None:
+    """Back before its pause ended (nobody served), its take-over fenced: a reconnect later
+    must not keep it out for the rest of the pause while another relay serves again."""
+    reach = KafkaReach()
+    pause = reach.stepped_aside(0.0)
+    assert not reach.may_rejoin(1.0, other_members=1, others_serving=1)
+    reach.reached(2.0)  # it came back early and took its share over
+    assert reach.may_rejoin(3.0, other_members=1, others_serving=1)
+    assert pause > 3.0
