@@ -34,8 +34,10 @@ aside, sent or gone), one look-up by primary key per read of them, and the rows 
 are read from the table's retry index at start.
 
 Not yet here (docs/relay.md, "Another source"): recording the position durably, the WAL-mode
-recorder (acknowledged rows need no statement), a key's later messages marked aside in the
-table so that the slot does not wait on them, recovery from a lost slot, the standby relays.
+recorder (acknowledged rows need no statement, but those that waited aside are marked sent:
+the retry index would otherwise hand them out again at the next start), a key's later
+messages marked aside in the table so that the slot does not wait on them, recovery from a
+lost slot, the standby relays.
 Everything runs on the caller's thread.
 """
 
