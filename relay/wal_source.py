@@ -24,8 +24,9 @@ the caller has recorded it durably (:meth:`WalSource.confirm`). A transaction wh
 still in flight holds it back, however many later ones are settled. With it comes the
 *horizon*: the oldest transaction still running in a snapshot taken at a WAL position at or
 before the settled position. Every message committed after the position was written by a
-transaction no older than the horizon, so after a lost slot :func:`unsettled_rows`
-finds, in the table, every message the slot had not confirmed (and some it had: duplicates).
+transaction no older than the horizon, so after a lost slot
+:func:`~outbox.relay.wal_rows.unsettled_rows` finds, in the table, every message the slot
+had not confirmed (and some it had: duplicates).
 
 **A restart** (a new source from the recorded position) gets again from the slot every
 transaction not confirmed. Rows of transactions committed before the source started may have
@@ -48,17 +49,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from outbox.queries import Queries
-from outbox.records import OutboxRecord
 from outbox.relay.commands import Read, Recorded
-from outbox.rows import UNDECODABLE, PendingRow, pending_row_of
+from outbox.relay.wal_rows import WalStatements, pending_row_of_message
+from outbox.rows import PendingRow, pending_row_of
 from outbox.schema import DEFAULT_SPEC, OutboxTableSpec
 from outbox.wal.pgoutput import Begin, Commit, WalMessage
 from outbox.wal.reader import HEARTBEAT_SECONDS, Heartbeat, Item, WalReader, libpq_conninfo
@@ -77,9 +75,6 @@ KEEP_ALIVE_SECONDS = 1.0
 HORIZON_SECONDS = 1.0
 #: Raw stream messages taken in by one call to the reader.
 PULL_ITEMS = 10_000
-#: ``age()`` compares 32-bit transaction ids: a horizon further back than this finds nothing
-#: reliably, and every pending row is taken instead.
-HORIZON_REACH = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -121,29 +116,6 @@ def _key_of(row: PendingRow) -> tuple[str, bytes] | None:
     return (record.topic, record.key)
 
 
-def pending_row_of_message(message: WalMessage) -> PendingRow:
-    """A decoded insert as the row the core sends (undecodable headers: a row that goes dead)."""
-    created_at = datetime.fromtimestamp(message.created_at, UTC)
-    names: Any = message.header_names  # a NULL name is refused by from_columns
-    try:
-        record: OutboxRecord | None = OutboxRecord.from_columns(
-            message.id,
-            message.seq,
-            message.shard,
-            message.topic,
-            message.key,
-            message.value,
-            message.content_type,
-            names,
-            message.header_values,
-            0,
-        )
-        problem = None
-    except (ValueError, TypeError, UnicodeError) as error:
-        record, problem = None, f"{UNDECODABLE}: {error}"
-    return PendingRow(message.id, message.shard, 0, created_at, record, problem)
-
-
 class WalSource:
     """The outbox table's slot, read for one relay (see the module's text).
 
@@ -172,7 +144,7 @@ class WalSource:
         )
         self._conninfo = libpq_conninfo(url, f"{application_name}/lookup")
         self._clock = clock
-        self._statements = _Statements(spec)
+        self._statements = WalStatements(spec)
         self._lookup: psycopg.Connection[Any] | None = None
         #: Rows taken in and not handed out, per shard, in commit order.
         self._queues: dict[int, deque[_Entry]] = {}
@@ -483,20 +455,6 @@ class WalSource:
         return self._lookup
 
 
-def unsettled_rows(
-    conn: psycopg.Connection[Any], horizon: int | None, spec: OutboxTableSpec = DEFAULT_SPEC
-) -> list[PendingRow]:
-    """After a lost slot: the pending rows written (or last changed) by transactions at least
-    as new as ``horizon`` (None: every pending row), by shard in seq order. They hold every
-    message committed after the position recorded with ``horizon`` (:class:`Settled`), and
-    also those of the transactions that ran across the snapshot it came from and committed
-    before: duplicates, which at-least-once allows."""
-    found = conn.execute(
-        _Statements(spec)["wal_unsettled"], {"horizon": horizon, "reach": HORIZON_REACH}
-    )
-    return [pending_row_of(values) for values in found]
-
-
 if TYPE_CHECKING:
 
     def _a_source(source: WalSource) -> Source:
@@ -510,18 +468,3 @@ def _stream_index(entry: _Entry) -> int:
 def _seq_of(entry: _Entry) -> int:
     record = entry.row.record
     return record.seq if record is not None else 0
-
-
-class _Statements:
-    """The source's named queries (``outbox/sql/queries.sql``) as psycopg's own SQL."""
-
-    def __init__(self, spec: OutboxTableSpec) -> None:
-        self._queries = Queries(spec)
-        self._compiled: dict[str, str] = {}
-
-    def __getitem__(self, name: str) -> str:
-        compiled = self._compiled.get(name)
-        if compiled is None:
-            dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
-            compiled = self._compiled[name] = str(self._queries[name].compile(dialect=dialect))
-        return compiled

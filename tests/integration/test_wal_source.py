@@ -33,7 +33,8 @@ from outbox.relay.commands import (
 from outbox.relay.core import RelayCore
 from outbox.relay.policy import RetryPolicy
 from outbox.relay.store import RelayStore
-from outbox.relay.wal_source import WalSource, unsettled_rows
+from outbox.relay.wal_rows import unsettled_rows
+from outbox.relay.wal_source import WalSource
 from outbox.rows import Failure, PendingRow
 from outbox.schema import DEFAULT_SPEC, SHARD_COUNT
 from outbox.sending import Ack, BatchResult
