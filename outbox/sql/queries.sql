@@ -766,3 +766,43 @@ UNION
 SELECT topic FROM {table} WHERE status = 'scheduled'
 UNION
 SELECT topic FROM (SELECT topic FROM {table} ORDER BY id DESC LIMIT :recent) AS latest;
+
+-- name: wal_aside
+-- WAL mode: the rows waiting aside after a failed attempt (the retry index), in seq order, with
+-- the seconds until they are due: the WAL source reads them when it starts, since the slot
+-- may have moved past them. (Columns of outbox.rows.READ_COLUMNS, then the delay.)
+SELECT id, seq, shard, topic, key, value, content_type, header_names, header_values, attempts,
+       created_at, generation, CAST(id AS text),
+       GREATEST(0, EXTRACT(EPOCH FROM next_attempt_at - now()))
+  FROM {table}
+ WHERE status = 'pending' AND next_attempt_at IS NOT NULL
+ ORDER BY seq;
+
+-- name: wal_replayed
+-- WAL mode: of the rows a restarted stream hands out again (:ids), those that may go as new:
+-- still pending and not waiting aside (a row dead, sent, aside or purged has its outcome).
+SELECT id FROM {table}
+ WHERE id = ANY(CAST(:ids AS uuid[])) AND status = (SELECT 'pending')
+   AND next_attempt_at IS NULL;
+
+-- name: wal_horizon
+-- WAL mode: a WAL position and the oldest transaction still running in a snapshot taken
+-- before it (the statement's, taken when it starts): every transaction that commits after
+-- the position is at least as new as that one.
+SELECT CAST(pg_current_wal_insert_lsn() - CAST('0/0' AS pg_lsn) AS bigint),
+       CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint);
+
+-- name: wal_unsettled
+-- WAL mode, after a lost slot: the pending rows written, or last changed, by transactions no
+-- older than :horizon (a 64-bit transaction id; age() compares the 32-bit ids of the rows).
+-- A horizon :reach or more transactions back, or none, takes every pending row.
+-- (Columns of outbox.rows.READ_COLUMNS.)
+SELECT id, seq, shard, topic, key, value, content_type, header_names, header_values, attempts,
+       created_at, generation, CAST(id AS text)
+  FROM {table}
+ WHERE status = 'pending'
+   AND (CAST(:horizon AS bigint) IS NULL
+        OR CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint)
+           - CAST(:horizon AS bigint) >= CAST(:reach AS bigint)
+        OR age(xmin) <= age(CAST(CAST(CAST(:horizon AS bigint) % 4294967296 AS text) AS xid)))
+ ORDER BY shard, seq;

@@ -166,9 +166,9 @@ class WalReader:
     def read(self, max_items: int = 10_000, timeout: float = 1.0) -> list[Item]:
         """The next items in commit order (up to ``max_items`` raw messages' worth); waits up
         to ``timeout`` seconds when there is nothing yet. Also sends the confirmed position
-        and the heartbeat when they are due, and answers the server's keepalives: call it at
-        least every ``wal_sender_timeout`` / 2 (30 s by default), or the server ends the
-        stream."""
+        and the heartbeat when they are due, and answers the server's keepalives: call it (or
+        :meth:`keep_alive`) at least every ``wal_sender_timeout`` / 2 (30 s by default), or
+        the server ends the stream."""
         stream = self._require_stream()
         self._send_confirmed()
         try:
@@ -221,6 +221,13 @@ class WalReader:
         """Send the confirmed position now (before a clean stop)."""
         self._require_stream()
         self._send_confirmed()
+
+    def keep_alive(self) -> None:
+        """Tell the server this reader is there without taking anything from the stream (a
+        relay that holds all it may, behind a slow Kafka): the server ends a stream it has
+        heard nothing from for ``wal_sender_timeout``, read or not. Sends the confirmed
+        position."""
+        self._send_status(self._confirmed)
 
     @property
     def confirmed(self) -> int:

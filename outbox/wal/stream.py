@@ -22,6 +22,7 @@ import select
 import struct
 import time
 
+import psycopg
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 
@@ -66,15 +67,25 @@ class ReplicationStream:
         if that is later: the reader checks for that before it starts)."""
         listed = ", ".join(f"\"{name}\" '{value}'" for name, value in options.items())
         command = f'START_REPLICATION SLOT "{slot}" LOGICAL {format_lsn(start)} ({listed})'
-        self._conn.send_query(command.encode())
-        result = self._conn.get_result()
+        try:
+            self._conn.send_query(command.encode())
+            result = self._conn.get_result()
+        except psycopg.OperationalError as error:
+            raise _failed(error) from error
         if result is None or result.status != pq.ExecStatus.COPY_BOTH:
             raise _error_of(result, self._conn)
         self._conn.nonblocking = 1
 
     def read(self, max_items: int, timeout: float) -> list[bytes]:
         """Up to ``max_items`` raw messages ('w' and 'k', in the order sent); waits up to
-        ``timeout`` seconds for the first, none for the rest."""
+        ``timeout`` seconds for the first, none for the rest. A connection that fails
+        (closed by the server, say after ``wal_sender_timeout``) raises StreamError."""
+        try:
+            return self._read(max_items, timeout)
+        except psycopg.OperationalError as error:  # libpq's own failures (psycopg.pq raises)
+            raise _failed(error) from error
+
+    def _read(self, max_items: int, timeout: float) -> list[bytes]:
         conn = self._conn
         items: list[bytes] = []
         append = items.append
@@ -101,7 +112,8 @@ class ReplicationStream:
                     select.select([conn.socket], [], [], left)
                     conn.consume_input()
                     continue
-            # -1: the server ended the copy (an error follows); -2: the connection failed
+            # -1: the server ended the copy (an error follows); -2 (the connection failed) is
+            # raised by psycopg as OperationalError: see read
             raise _error_of(conn.get_result() if size == -1 else None, conn)
         for item in items:
             if item[0] == KEEPALIVE:
@@ -114,10 +126,13 @@ class ReplicationStream:
         there); ``reply`` asks for a keepalive back, carrying the server's WAL end."""
         clock = int((time.time() - _PG_EPOCH) * 1_000_000)
         message = _STATUS.pack(b"r", flushed, flushed, flushed, clock, 1 if reply else 0)
-        if self._conn.put_copy_data(message) != 1:
-            raise _error_of(None, self._conn)
-        while self._conn.flush() == 1:
-            select.select([], [self._conn.socket], [], 1.0)
+        try:
+            if self._conn.put_copy_data(message) != 1:
+                raise _error_of(None, self._conn)
+            while self._conn.flush() == 1:
+                select.select([], [self._conn.socket], [], 1.0)
+        except psycopg.OperationalError as error:
+            raise _failed(error) from error
 
     def close(self) -> None:
         self._conn.finish()
@@ -138,6 +153,11 @@ def _error_of(result: pq.abc.PGresult | None, conn: pq.abc.PGconn) -> StreamErro
         state = result.error_field(pq.DiagnosticField.SQLSTATE)
         return StreamError(_text(result.error_message), state.decode() if state else None)
     return StreamError(_text(conn.error_message) or "the replication connection was lost")
+
+
+def _failed(error: psycopg.OperationalError) -> StreamError:
+    """What psycopg's libpq binding raises for a failed connection, as one line."""
+    return StreamError(" ".join(str(error).split()))
 
 
 def _text(message: bytes) -> str:

@@ -3,6 +3,8 @@ of the slot in commit order, with their transactions, and the slot moves only wh
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import sqlalchemy as sa
 
@@ -176,3 +178,36 @@ def test_a_publication_changed_by_hand_is_refused(outbox_url: str) -> None:
         conn.execute(f"ALTER PUBLICATION {SLOT} SET (publish = 'insert, update')")
     with pytest.raises(PublicationMismatch, match=f"DROP PUBLICATION {SLOT}"):
         WalReader(outbox_url).start()
+
+
+@pytest.fixture
+def short_sender_timeout(outbox_url: str) -> str:
+    """The server ends a stream it hears nothing from for a second (this database only)."""
+    from tests.wal_helpers import control
+
+    database = sa.make_url(outbox_url).database
+    with control(outbox_url) as conn:
+        conn.execute(f'ALTER DATABASE "{database}" SET wal_sender_timeout = 1000')
+    return outbox_url
+
+
+def test_a_stream_the_server_ends_is_a_stream_error(short_sender_timeout: str) -> None:
+    """Not psycopg's own OperationalError: the caller reconnects on StreamError (or recovers
+    on SlotLost, which the reader can tell only from a StreamError)."""
+    from outbox.wal.stream import StreamError
+
+    with WalReader(short_sender_timeout, heartbeat=None) as reader:
+        time.sleep(3)  # silent well past wal_sender_timeout
+        with pytest.raises(StreamError):
+            read_until(reader, lambda got: False, timeout=5)
+
+
+def test_keep_alive_keeps_a_stream_not_read(short_sender_timeout: str, engine: sa.Engine) -> None:
+    with WalReader(short_sender_timeout, heartbeat=None) as reader:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # three timeouts, nothing read
+            reader.keep_alive()
+            time.sleep(0.2)
+        ids = publish(engine, Message("orders", "still there"))
+        items = read_until(reader, lambda got: len(commits(got)) == 1)
+    assert [m.id for m in messages(items)] == ids
