@@ -191,30 +191,61 @@ def _store(schema: str, table: str) -> Any:
 @click.option("--topic", default=None)
 @click.option("--group", default=None, help="Only this check group's messages.")
 @click.option("--limit", default=50, show_default=True)
+@click.option(
+    "--unblocked",
+    is_flag=True,
+    help="List instead the rolled-back messages whose step nothing blocked before the "
+    "rollback, newest first: their step may have happened (commit one with --after-rollback).",
+)
 def prepared_list(
-    database_url: str, schema: str, table: str, topic: str | None, group: str | None, limit: int
+    database_url: str,
+    schema: str,
+    table: str,
+    topic: str | None,
+    group: str | None,
+    limit: int,
+    unblocked: bool,
 ) -> None:
     """List messages waiting for a verdict (prepared, or left dead by check-back), oldest
-    first."""
+    first; or, with --unblocked, the rolled-back messages whose step may have happened."""
 
     store = _store(schema, table)
 
     def run(engine: Any) -> None:
         with engine.connect() as conn:
-            rows = store.unresolved(conn, topic=topic, check_group=group, limit=limit)
+            if unblocked:
+                rows = store.unblocked_rollbacks(conn, topic=topic, check_group=group, limit=limit)
+            else:
+                rows = store.unresolved(conn, topic=topic, check_group=group, limit=limit)
         now = datetime.now(UTC)
         for row in rows:
             key = row["key"].decode(errors="replace") if row["key"] is not None else "-"
             age = int((now - row["prepared_at"]).total_seconds())
-            due = row["next_check_at"]
-            click.echo(
-                f"{row['id']}  {row['topic']}  key={key}  group={row['check_group']}  "
-                f"{row['status']}  age={age}s  checks={row['check_count']}  "
-                f"failed={row['check_failures']}  "
-                f"last={row['last_check_answer'] or '-'}  "
-                f"next={due.isoformat(timespec='seconds') if due else '-'}"
+            head = f"{row['id']}  {row['topic']}  key={key}  group={row['check_group']}  "
+            checks = (
+                f"checks={row['check_count']}  failed={row['check_failures']}  "
+                f"last={row['last_check_answer'] or '-'}"
             )
-        click.echo(f"{len(rows)} message(s) waiting for a verdict")
+            if unblocked:
+                resolved = row["resolved_at"]
+                click.echo(
+                    f"{head}{row['status']}  by={row['resolved_by']}  "
+                    f"at={resolved.isoformat(timespec='seconds') if resolved else '-'}  "
+                    f"age={age}s  {checks}"
+                )
+            else:
+                due = row["next_check_at"]
+                click.echo(
+                    f"{head}{row['status']}  age={age}s  {checks}  "
+                    f"next={due.isoformat(timespec='seconds') if due else '-'}"
+                )
+        if unblocked:
+            click.echo(
+                f"{len(rows)} rolled-back message(s) whose step was not blocked: if one's step "
+                "happened, `outbox prepared commit --after-rollback ID` publishes it"
+            )
+        else:
+            click.echo(f"{len(rows)} message(s) waiting for a verdict")
 
     with database_engine(database_url) as engine:
         run_db_step(lambda: run(engine))

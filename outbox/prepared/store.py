@@ -54,12 +54,15 @@ _INSERTED_COLUMNS = (
 @dataclass(frozen=True)
 class CheckRecord:
     """One check to record: the message, the answer (``commit``, ``rollback``, ``unknown``,
-    ``error`` or ``timeout``), its error, and the seconds until the next check."""
+    ``error`` or ``timeout``), its error, and the seconds until the next check. ``final``: the
+    last check, asked to decide (``--on-max-checks rollback``): its ROLLBACK ends the message
+    rolled back by ``expired``."""
 
     id: uuid.UUID
     answer: str
     error: str | None
     delay: float
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,15 +190,15 @@ class PreparedStore:
         owner: str,
         checks: Sequence[CheckRecord],
         max_checks: int,
-        end_status: str,
     ) -> Recorded:
         """Record a round of checks and act on the answers, in one transaction: COMMIT and
-        ROLLBACK decide the message; after ``max_checks`` checks without a verdict it ends in
-        ``end_status``. Only rows ``owner`` still holds are touched."""
+        ROLLBACK decide the message (a ROLLBACK to a ``final`` check ends it ``expired``);
+        after ``max_checks`` checks without a verdict it ends dead, for an operator. Only rows
+        ``owner`` still holds are touched."""
         if not checks:
             return Recorded(frozenset(), (), (), ())
         try:
-            return self._record(engine, owner, checks, max_checks, end_status)
+            return self._record(engine, owner, checks, max_checks)
         except exc.DataError:
             if len(checks) == 1:
                 raise
@@ -203,7 +206,7 @@ class PreparedStore:
         parts: list[Recorded] = []
         for check in checks:
             try:
-                parts.append(self._record(engine, owner, [check], max_checks, end_status))
+                parts.append(self._record(engine, owner, [check], max_checks))
             except exc.DataError as error:
                 log.error(
                     "could not record a check: the message is checked again after its lease",
@@ -222,7 +225,6 @@ class PreparedStore:
         owner: str,
         checks: Sequence[CheckRecord],
         max_checks: int,
-        end_status: str,
     ) -> Recorded:
         params = {
             "owner": owner,
@@ -236,17 +238,21 @@ class PreparedStore:
             recorded = frozenset(row.id for row in rows)
             held = [c for c in checks if c.id in recorded]
             committed = tuple(c.id for c in held if c.answer == COMMIT)
-            rolled_back = tuple(c.id for c in held if c.answer == ROLLBACK)
+            rolled_back = tuple(c.id for c in held if c.answer == ROLLBACK and not c.final)
+            # The last check, asked to decide, blocked the step: check-back gives up on the
+            # message by rolling it back.
+            given_up = tuple(c.id for c in held if c.answer == ROLLBACK and c.final)
             undecided = [c.id for c in held if c.answer not in (COMMIT, ROLLBACK)]
             self.commit(conn, committed, CHECK)
             self.rollback(conn, rolled_back, CHECK)
-            expired: tuple[tuple[uuid.UUID, str], ...] = ()
+            self.rollback(conn, given_up, EXPIRED)
+            expired = tuple((message_id, ROLLED_BACK) for message_id in given_up)
             if undecided:
-                expired = tuple(
+                expired += tuple(
                     (row.id, row.status)
                     for row in conn.execute(
                         self.queries["expire_prepared"],
-                        {"ids": undecided, "max_checks": max_checks, "end_status": end_status},
+                        {"ids": undecided, "max_checks": max_checks},
                     )
                 )
         return Recorded(recorded, committed, rolled_back, expired)
@@ -297,10 +303,26 @@ class PreparedStore:
         }
         return list(conn.execute(self.queries["select_unresolved"], params).mappings())
 
+    def unblocked_rollbacks(
+        self,
+        conn: sa.Connection,
+        *,
+        topic: str | None = None,
+        check_group: str | None = None,
+        limit: int | None = None,
+    ) -> list[sa.RowMapping]:
+        """Rolled-back messages whose step nothing blocked before the rollback (it may have
+        happened), newest first: check-back gave them up after UNKNOWN answers before it asked
+        the last check to decide, or an operator rolled them back without a check."""
+        params = {"topic": topic, "check_group": check_group, "limit": limit}
+        return list(conn.execute(self.queries["select_unblocked_rollbacks"], params).mappings())
+
     def _translated(self, error: exc.ProgrammingError) -> OutboxError | None:
         translated = translate_table_error(error, self.spec)
-        if translated is None and sqlstate_of(error) == "42703":
-            translated = OutboxError(_too_old(self.spec))  # undefined_column: not upgraded
+        if translated is None and sqlstate_of(error) == "42703":  # undefined_column
+            if "released_idempotency_key" in str(error.orig):
+                return OutboxError(_lacks_released_keys(self.spec))
+            translated = OutboxError(_too_old(self.spec))
         return translated
 
 

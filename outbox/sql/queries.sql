@@ -488,23 +488,14 @@ UPDATE {table} AS o
 RETURNING o.id, o.check_count;
 
 -- name: expire_prepared
--- Check-back gives up on prepared rows that had :max_checks checks without a verdict. They
--- end rolled back (:end_status 'rolled_back') only when every check answered UNKNOWN: a
--- check that failed (the checker raised or timed out) says nothing about the step, so a row
--- with one ends dead for an operator, as every row does with :end_status 'dead'. A dead one
--- may still be committed or rolled back; a rolled-back one gives up its idempotency key, as
--- rollback_prepared does. Returns the rows it ended and how.
+-- Check-back gives up on prepared rows that had :max_checks checks without a verdict: they
+-- end dead for an operator (error_kind 'unresolved'), who may still commit or roll them back.
+-- Nothing ends rolled back here: with --on-max-checks rollback the last check was asked to
+-- decide, and only its ROLLBACK (the step blocked) rolled a message back, before this.
+-- Returns the rows it ended and how.
 UPDATE {table}
-   SET status = CASE WHEN CAST(:end_status AS text) = 'rolled_back' AND check_failures = 0
-                     THEN 'rolled_back' ELSE 'dead' END,
+   SET status = 'dead',
        next_check_at = NULL,
-       idempotency_key = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
-                               AND check_failures = 0 THEN NULL
-                              ELSE idempotency_key END,
-       resolved_at = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
-                           AND check_failures = 0 THEN now() END,
-       resolved_by = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
-                           AND check_failures = 0 THEN 'expired' END,
        error_kind = 'unresolved',
        last_error = 'no verdict after ' || check_count || ' checks ('
                     || check_failures || ' failed; last answer: '
@@ -548,6 +539,23 @@ SELECT id, topic, key, check_group, status, prepared_at, check_count, check_fail
    AND (CAST(:topic AS text) IS NULL OR topic = :topic)
    AND (CAST(:check_group AS text) IS NULL OR check_group = :check_group)
  ORDER BY prepared_at, id
+ LIMIT :limit;
+
+-- name: select_unblocked_rollbacks
+-- Rolled-back messages whose step nothing blocked before the rollback, so it may have
+-- happened: check-back gave up on them at max checks after UNKNOWN answers (as it did before
+-- it asked the last check to decide), or an operator rolled them back without a check
+-- (--step-cannot-happen). A checker's ROLLBACK, which blocks the step, is recorded as the last
+-- answer; a producer's rollback says the step did not happen. Newest first, up to :limit.
+-- Reads every row (no index holds rolled-back ones): an operator's look, not a loop's.
+SELECT id, topic, key, check_group, status, prepared_at, resolved_at, resolved_by,
+       check_count, check_failures, last_check_answer
+  FROM {table}
+ WHERE status = 'rolled_back' AND resolved_by IN ('expired', 'operator')
+   AND last_check_answer IS DISTINCT FROM 'rollback'
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic)
+   AND (CAST(:check_group AS text) IS NULL OR check_group = :check_group)
+ ORDER BY resolved_at DESC, id
  LIMIT :limit;
 
 -- Scheduled messages (docs/scheduled.md). A scheduled row has status 'scheduled' and a

@@ -234,10 +234,11 @@ def test_a_rolled_back_message_gives_its_idempotency_key_up(engine, outbox_url) 
     assert retried.message_id != first.message_id
     assert status_of(engine, retried.message_id) == "pending"
     assert row(engine, first.message_id)["idempotency_key"] is None
-    # Rolled back by check-back at max checks: the key is free again too.
+    # Rolled back by check-back at max checks (its last check blocked the step): the key is
+    # free again too.
     given_up = prepared.prepare("orders", {"order": 8}, idempotency_key="order-8-created")
     registry = CheckRegistry()
-    registry.add_checker(answers(UNKNOWN), "orders")
+    registry.add_checker(lambda message: ROLLBACK if message.final else UNKNOWN, "orders")
     with running_checkback(
         registry, fast_config(outbox_url, max_checks=1, on_max_checks="rollback")
     ):
@@ -592,19 +593,23 @@ def test_max_checks_ends_a_message_as_configured(
     prepared = PreparedMessages(Outbox(engine), check_after=0)
     message = prepared.prepare(topic, {"n": 1}, group="never-sure")
     registry = CheckRegistry()
-    registry.add_checker(answers(UNKNOWN), "never-sure")
+    # UNKNOWN, unless the check must decide (the last one under --on-max-checks rollback):
+    # then it blocks the step, as StepLog does, and answers ROLLBACK.
+    registry.add_checker(lambda m: ROLLBACK if m.final else UNKNOWN, "never-sure")
     config = fast_config(outbox_url, max_checks=3, on_max_checks=mode)
     with running_checkback(registry, config) as runner:
         wait_for(lambda: status_of(engine, message.message_id) == end, 20, f"{end} after 3")
     stored = row(engine, message.message_id)
     assert stored["check_count"] == 3
+    assert counter(runner, "expired", "never-sure", end) == 1
+    if mode == "rollback":
+        assert (stored["resolved_by"], stored["last_check_answer"]) == ("expired", "rollback")
+        assert stored["error_kind"] is None
+        assert counter(runner, "checks", "never-sure", "unknown") == 2
+        return
     assert stored["error_kind"] == "unresolved"
     assert stored["last_error"] == "no verdict after 3 checks (0 failed; last answer: unknown)"
-    assert counter(runner, "expired", "never-sure", end) == 1
     assert counter(runner, "checks", "never-sure", "unknown") == 3
-    if mode == "rollback":
-        assert stored["resolved_by"] == "expired"
-        return
     # Dead for an operator: `outbox dead retry` leaves it alone (nobody knows whether its
     # step happened); `outbox prepared` lists it, and commit publishes it.
     url = ["--database-url", outbox_url]
