@@ -368,34 +368,34 @@ def retry_parked(app: Dashboard, request: Request) -> Response:
     return app.act(request, run)
 
 
-def _decide(commit: bool) -> Page:
-    def page(app: Dashboard, request: Request) -> Response:
-        def run() -> str:
-            from outbox.prepared.decisions import decide
+# No rollback here: the page cannot ask a message's checker to block its step first, and a
+# rollback before that lets a step still running commit without its message. Operators roll
+# back with `outbox prepared rollback --checker MODULE:REGISTRY` (docs/prepared-messages.md).
+@route("POST", "/prepared/commit")
+def commit_prepared(app: Dashboard, request: Request) -> Response:
+    def run() -> str:
+        from outbox.prepared.api import after_rollback_refusal
+        from outbox.prepared.decisions import decide
 
-            message_id = _message_id(request.field("id"))
-            after_rollback = commit and request.field("after_rollback") == "1"
-            with app.reads.outbox.begin() as conn:
-                count = decide(
-                    conn,
-                    app.reads.prepared_store,
-                    commit=commit,
-                    ids=[message_id],
-                    after_rollback=after_rollback,
-                )
-            verb = "committed" if commit else "rolled back"
-            if count == 0:
-                waiting = "rolled back by check-back" if after_rollback else "waiting for a verdict"
-                return f"{message_id} was not {verb}: it is not {waiting} (any more)"
-            return f"{verb} {message_id}" + (": the relay publishes it" if commit else "")
+        message_id = _message_id(request.field("id"))
+        after_rollback = request.field("after_rollback") == "1"
+        store = app.reads.prepared_store
+        with app.reads.outbox.begin() as conn:
+            count = decide(
+                conn, store, commit=True, ids=[message_id], after_rollback=after_rollback
+            )
+        if count:
+            return f"committed {message_id}: the relay publishes it"
+        if after_rollback:
+            with app.reads.outbox.connect() as conn:
+                row = store.rolled_back_statuses(conn, [message_id]).get(message_id)
+            refusal = after_rollback_refusal(message_id, row)
+            if refusal is not None:
+                return f"{message_id} was not committed: {refusal}"
+            return f"{message_id} was not committed: it is committed already"
+        return f"{message_id} was not committed: it is not waiting for a verdict (any more)"
 
-        return app.act(request, run)
-
-    return page
-
-
-route("POST", "/prepared/commit")(_decide(commit=True))
-route("POST", "/prepared/rollback")(_decide(commit=False))
+    return app.act(request, run)
 
 
 def _one_or_cause(request: Request) -> tuple[list[uuid.UUID], str | None]:

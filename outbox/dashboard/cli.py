@@ -81,7 +81,7 @@ MISSING_EXTRA = (
     envvar="OUTBOX_DASHBOARD_TOKEN",
     show_envvar=True,
     default=None,
-    help="The token an operator logs in with to retry, commit or roll back; without one the "
+    help="The token an operator logs in with to retry or commit; without one the "
     "dashboard is read-only. Prefer the variable: a command line is visible to other users.",
 )
 @click.option(
@@ -127,7 +127,7 @@ def dashboard(
 
     The overview (what is pending, dead, parked, prepared or scheduled; the relays and
     their shards; the consumers), dead and parked messages by cause with their retries,
-    prepared messages with commit and rollback, a message looked up by id
+    prepared messages with their commit, a message looked up by id
     (docs/dashboard.md). Reads the outbox's database and the inbox's
     (--inbox-database-url); read-only unless started with a token. Stops on SIGTERM or
     SIGINT.

@@ -4,7 +4,6 @@ view of prepared messages), registered on the ``outbox`` command line by ``outbo
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -254,69 +253,177 @@ def prepared_list(
 prepared.add_command(dead_show, "show")
 
 
-def _decide(commit: bool) -> Callable[..., None]:
-    @message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
-    @click.option("--group", default=None, help="Only this check group's messages.")
-    def command(
-        database_url: str,
-        schema: str,
-        table: str,
-        topic: str | None,
-        everything: bool,
-        message_ids: tuple[Any, ...],
-        group: str | None,
-        after_rollback: bool = False,
-    ) -> None:
-        if not (message_ids or topic or group or everything):
-            raise click.UsageError("name message ids, or pass --topic, --group or --all")
-        if after_rollback and (topic or group or everything or not message_ids):
-            raise click.UsageError("--after-rollback takes message ids only")
-        from outbox.prepared.decisions import decide
+def _chosen(
+    message_ids: tuple[Any, ...], topic: str | None, group: str | None, everything: bool
+) -> None:
+    if not (message_ids or topic or group or everything):
+        raise click.UsageError("name message ids, or pass --topic, --group or --all")
 
-        store = _store(schema, table)
+
+@prepared.command(
+    "commit",
+    help="Commit messages waiting for a verdict: they become pending and are published. "
+    "Exits 1 when it committed nothing, or not every id given.",
+)
+@message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
+@click.option("--group", default=None, help="Only this check group's messages.")
+@click.option(
+    "--after-rollback",
+    is_flag=True,
+    help="Commit the given messages that check-back or an operator rolled back (not their "
+    "producer): the step happened after all. They are published now. One whose idempotency "
+    "key a retry took since is refused.",
+)
+def prepared_commit(
+    database_url: str,
+    schema: str,
+    table: str,
+    topic: str | None,
+    everything: bool,
+    message_ids: tuple[Any, ...],
+    group: str | None,
+    after_rollback: bool,
+) -> None:
+    _chosen(message_ids, topic, group, everything)
+    if after_rollback and (topic or group or everything or not message_ids):
+        raise click.UsageError("--after-rollback takes message ids only")
+    from outbox.prepared.api import after_rollback_refusal
+    from outbox.prepared.decisions import decide
+
+    store = _store(schema, table)
+
+    def run(engine: Any) -> tuple[int, list[str]]:
+        with engine.begin() as conn:
+            count = decide(
+                conn,
+                store,
+                commit=True,
+                ids=list(message_ids),
+                topic=topic,
+                check_group=group,
+                after_rollback=after_rollback,
+            )
+        if not after_rollback or count == len(set(message_ids)):
+            return count, []
+        with engine.connect() as conn:  # why the others were not committed
+            rows = store.rolled_back_statuses(conn, list(message_ids))
+        refusals = (after_rollback_refusal(i, rows.get(i)) for i in dict.fromkeys(message_ids))
+        return count, [str(refusal) for refusal in refusals if refusal is not None]
+
+    with database_engine(database_url) as engine:
+        count, reasons = run_db_step(lambda: run(engine))
+    click.echo(f"committed {count} prepared message(s)")
+    for reason in reasons:
+        click.echo(reason, err=True)
+    missed = len(set(message_ids)) - count
+    if message_ids and missed and not after_rollback:
+        click.echo(
+            f"{missed} of the ids given were not waiting for a verdict "
+            "(see outbox prepared show ID)",
+            err=True,
+        )
+    if count == 0 or (message_ids and missed):
+        sys.exit(1)  # a script must see that nothing (or not all it named) was decided
+
+
+@prepared.command(
+    "rollback",
+    help="Roll back messages waiting for a verdict: they are never published. Each message's "
+    "checker (--checker) is asked first to decide, as check-back's last check is, and only "
+    "those it answers ROLLBACK to (it blocked the step) are rolled back; without --checker, "
+    "or --step-cannot-happen, it refuses: a step may still commit. Exits 1 when it rolled "
+    "back nothing, or not every message chosen.",
+)
+@message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
+@click.option("--group", default=None, help="Only this check group's messages.")
+@click.option(
+    "--checker",
+    "checker_target",
+    metavar="MODULE:REGISTRY",
+    default=None,
+    help="The service's CheckRegistry (as `outbox checkback` takes it): its checkers decide.",
+)
+@click.option(
+    "--check-timeout",
+    default=10.0,
+    show_default=True,
+    help="Seconds each checker may take (with --checker); past it the message is left.",
+)
+@click.option(
+    "--step-cannot-happen",
+    is_flag=True,
+    help="Roll back without asking: you made sure the steps can no longer happen. "
+    "`outbox prepared list --unblocked` lists such rollbacks.",
+)
+def prepared_rollback(
+    database_url: str,
+    schema: str,
+    table: str,
+    topic: str | None,
+    everything: bool,
+    message_ids: tuple[Any, ...],
+    group: str | None,
+    checker_target: str | None,
+    check_timeout: float,
+    step_cannot_happen: bool,
+) -> None:
+    _chosen(message_ids, topic, group, everything)
+    if checker_target and step_cannot_happen:
+        raise click.UsageError("pass --checker or --step-cannot-happen, not both")
+    from outbox.prepared.decisions import decide, rollback_through_checkers
+
+    store = _store(schema, table)
+    given = set(message_ids)
+    if checker_target is None:
 
         def run(engine: Any) -> int:
             with engine.begin() as conn:
                 return decide(
                     conn,
                     store,
-                    commit=commit,
+                    commit=False,
                     ids=list(message_ids),
                     topic=topic,
                     check_group=group,
-                    after_rollback=after_rollback,
+                    step_cannot_happen=step_cannot_happen,
                 )
 
         with database_engine(database_url) as engine:
             count = run_db_step(lambda: run(engine))
-        click.echo(f"{'committed' if commit else 'rolled back'} {count} prepared message(s)")
-        missed = len(set(message_ids)) - count
-        if message_ids and missed:
-            waiting = "rolled back by check-back" if after_rollback else "waiting for a verdict"
-            click.echo(
-                f"{missed} of the ids given were not {waiting} (see outbox prepared show ID)",
-                err=True,
+        click.echo(f"rolled back {count} prepared message(s)")
+        not_waiting = len(given) - count if given else 0
+        every_one = True
+    else:
+        from outbox.prepared.checkers import load_registry
+
+        modules_from_working_directory()
+        try:
+            registry = load_registry(checker_target)
+        except (OutboxError, ValueError) as exc:
+            raise click.ClickException(mask_secrets(str(exc))) from exc
+        with database_engine(database_url) as engine:
+            result = run_db_step(
+                lambda: rollback_through_checkers(
+                    engine,
+                    store,
+                    registry,
+                    ids=list(message_ids),
+                    topic=topic,
+                    check_group=group,
+                    check_timeout=check_timeout,
+                )
             )
-        if count == 0 or (message_ids and missed):
-            sys.exit(1)  # a script must see that nothing (or not all it named) was decided
-
-    return command
-
-
-_AFTER_ROLLBACK = click.option(
-    "--after-rollback",
-    is_flag=True,
-    help="Commit the given messages that check-back rolled back (a checker's ROLLBACK, or "
-    "--on-max-checks rollback): the step happened after all. They are published now.",
-)
-
-prepared.command(
-    "commit",
-    help="Commit messages waiting for a verdict: they become pending and are published. "
-    "Exits 1 when it committed nothing, or not every id given.",
-)(_AFTER_ROLLBACK(_decide(commit=True)))
-prepared.command(
-    "rollback",
-    help="Roll back messages waiting for a verdict: they are never published. "
-    "Exits 1 when it rolled back nothing, or not every id given.",
-)(_decide(commit=False))
+        count = result.rolled_back
+        click.echo(f"rolled back {count} prepared message(s)")
+        for message_id, why in result.refused.items():
+            click.echo(f"{message_id}: not rolled back: {why}", err=True)
+        not_waiting = len(given - result.found)
+        every_one = count == len(result.found)
+    if not_waiting:
+        click.echo(
+            f"{not_waiting} of the ids given were not waiting for a verdict "
+            "(see outbox prepared show ID)",
+            err=True,
+        )
+    if count == 0 or not_waiting or not every_one:
+        sys.exit(1)  # a script must see that nothing (or not all it chose) was rolled back

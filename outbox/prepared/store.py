@@ -134,27 +134,44 @@ class PreparedStore:
         """Make prepared messages pending, in the order they were prepared (their UUIDv7 ids),
         and wake a sleeping relay at commit. Returns how many were prepared.
 
-        ``after_rollback``: commit messages that check-back rolled back instead (by a
-        checker's ROLLBACK or at ``max_checks``; never one its producer or an operator rolled
-        back): the operator knows the step happened after all."""
+        ``after_rollback``: commit messages that check-back or an operator rolled back
+        instead (never one its producer rolled back, nor one whose idempotency key another
+        message took since the rollback): the step happened after all. They take their keys
+        back."""
         ordered = sorted(set(ids))
         if not ordered:
             return 0
         # One statement per id, sent as one batch: each takes its new seq in this order.
         params = [{"id": message_id, "by": by} for message_id in ordered]
         query = "commit_rolled_back" if after_rollback else "commit_prepared"
-        count = int(conn.execute(self.queries[query], params).rowcount)
+        try:
+            count = int(conn.execute(self.queries[query], params).rowcount)
+        except exc.IntegrityError as error:
+            if not after_rollback or self.spec.idempotency_index not in str(error.orig):
+                raise
+            # A retry wrote the key between the look for it and the commit's taking it back.
+            raise OutboxError(
+                "a message with the idempotency key of a message being committed after its "
+                "rollback was written at the same moment: nothing was committed; see which "
+                "holds the key now (outbox prepared show ID)"
+            ) from error
         if count:
             wake_relays(conn, self.queries)
         return count
 
-    def rollback(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:
-        """Roll prepared messages back for good. Returns how many were prepared."""
+    def rollback(
+        self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str, *, checked: bool = False
+    ) -> int:
+        """Roll prepared messages back for good. Returns how many were prepared.
+
+        ``checked``: their checker, asked just now, answered ROLLBACK (an operator's
+        rollback through it): that check is recorded with the rollback."""
         wanted = list(set(ids))
         if not wanted:
             return 0
         params = {"ids": wanted, "by": by}
-        return int(conn.execute(self.queries["rollback_prepared"], params).rowcount)
+        query = "rollback_checked" if checked else "rollback_prepared"
+        return int(conn.execute(self.queries[query], params).rowcount)
 
     def statuses(
         self, conn: sa.Connection, ids: Collection[uuid.UUID]
@@ -162,6 +179,14 @@ class PreparedStore:
         """Where the given messages stand (``status``, ``error_kind``, ``prepared_at``,
         ``resolved_by``); an id with no row is absent."""
         rows = conn.execute(self.queries["prepared_statuses"], {"ids": list(ids)}).mappings()
+        return {row["id"]: row for row in rows}
+
+    def rolled_back_statuses(
+        self, conn: sa.Connection, ids: Collection[uuid.UUID]
+    ) -> dict[uuid.UUID, sa.RowMapping]:
+        """:meth:`statuses`, with the idempotency key each rollback gave up
+        (``released_idempotency_key``) and the message holding it now (``key_holder``)."""
+        rows = conn.execute(self.queries["rolled_back_statuses"], {"ids": list(ids)}).mappings()
         return {row["id"]: row for row in rows}
 
     # -- the check-back runner's side ---------------------------------------------------------
@@ -277,6 +302,8 @@ class PreparedStore:
                 f"table {name} predates revision 0007_check_failures (failed checks counted "
                 "apart): run `outbox db upgrade`"
             )
+        if not found.keeps_released_keys:
+            return _lacks_released_keys(self.spec)
         if not found.allowed:
             return (
                 f"role {found.role} needs SELECT and UPDATE on {name} (docs/prepared-messages.md)"
@@ -333,6 +360,13 @@ def stored_text(text: str | None) -> str | None:
     if text is None:
         return None
     return mask_secrets(text.replace("\x00", "\\x00"))[:MAX_STORED_TEXT]
+
+
+def _lacks_released_keys(spec: OutboxTableSpec) -> str:
+    return (
+        f"table {spec.qualified_name} predates revision 0011_released_idempotency_keys "
+        "(a rollback keeps the idempotency key it gives up): run `outbox db upgrade`"
+    )
 
 
 def _too_old(spec: OutboxTableSpec) -> str:

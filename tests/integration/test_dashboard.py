@@ -257,7 +257,7 @@ def test_a_parked_message_is_retried_and_applied(  # type: ignore[no-untyped-def
         engine.dispose()
 
 
-def test_a_prepared_message_is_committed_and_another_rolled_back(  # type: ignore[no-untyped-def]
+def test_a_prepared_message_is_committed_and_another_left_to_its_checker(  # type: ignore[no-untyped-def]
     outbox_url, engine, bootstrap_servers, make_topic, browser
 ) -> None:
     from selenium.webdriver.common.by import By
@@ -278,13 +278,46 @@ def test_a_prepared_message_is_committed_and_another_rolled_back(  # type: ignor
         assert note(browser) == f"committed {kept}: the relay publishes it"
         rows = browser.find_elements(By.CSS_SELECTOR, "#prepared tbody tr")
         assert len(rows) == 1
-        rows[0].find_element(By.CSS_SELECTOR, "button.rollback").click()
-        assert note(browser) == f"rolled back {dropped}"
-        assert browser.find_element(By.ID, "no-prepared").is_displayed()
+        # No rollback from the page: only the message's checker can block its step first.
+        assert rows[0].find_elements(By.CSS_SELECTOR, "button.rollback") == []
+        assert (
+            "outbox prepared rollback --checker" in browser.find_element(By.TAG_NAME, "main").text
+        )
         wait_for(lambda: status(kept) == "sent", 30, "the committed message to be sent")
-        assert status(dropped) == "rolled_back"
+        assert status(dropped) == "prepared"
         resolved = scalar(engine, "SELECT resolved_by FROM outbox WHERE id = :i", i=kept)
         assert resolved == "operator"
+
+
+def test_what_an_operator_rolled_back_is_committed_after_all_unless_a_retry_took_its_key(  # type: ignore[no-untyped-def]
+    outbox_url, engine, browser
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from outbox.prepared.decisions import decide
+    from outbox.prepared.store import PreparedStore
+
+    prepared = PreparedMessages(Outbox(engine), group="payments", check_after=3600)
+    wrong = prepared.prepare("orders", {"charge": 3}, idempotency_key="charge-3").message_id
+    retried = prepared.prepare("orders", {"charge": 4}, idempotency_key="charge-4").message_id
+    with engine.begin() as conn:  # `outbox prepared rollback --step-cannot-happen`
+        store = PreparedStore(OutboxTableSpec())
+        decide(conn, store, commit=False, ids=[wrong, retried], step_cannot_happen=True)
+    with Outbox(engine).transaction() as tx:  # the retry of charge 4, published
+        holder = tx.publish("orders", {"charge": 4}, idempotency_key="charge-4").message_id
+    with serving(outbox_url) as base:
+        log_in(browser, base)
+        browser.get(f"{base}/message?{urlencode({'id': retried})}")
+        assert "An operator rolled it back" in browser.find_element(By.TAG_NAME, "main").text
+        browser.find_element(By.CSS_SELECTOR, "button.commit").click()
+        refused = note(browser)
+        assert refused.startswith(f"{retried} was not committed: message {retried} gave its")
+        assert f"message {holder} took it since" in refused
+        browser.get(f"{base}/message?{urlencode({'id': wrong})}")
+        browser.find_element(By.CSS_SELECTOR, "button.commit").click()
+        assert note(browser) == f"committed {wrong}: the relay publishes it"
+    assert scalar(engine, "SELECT status FROM outbox WHERE id = :i", i=wrong) == "pending"
+    assert scalar(engine, "SELECT status FROM outbox WHERE id = :i", i=retried) == "rolled_back"
 
 
 def seed_every_kind(url: str, engine: sa.Engine) -> dict[str, Any]:
@@ -328,7 +361,6 @@ def test_every_action_refuses_without_the_token(outbox_url, engine, browser) -> 
         "/dead/retry": {"id": str(seeded["dead"])},
         "/parked/retry": {"id": str(seeded["parked"])},
         "/prepared/commit": {"id": str(seeded["prepared"])},
-        "/prepared/rollback": {"id": str(seeded["prepared"])},
     }
     with serving(outbox_url) as base:
         # Not logged in: the pages show no action at all.

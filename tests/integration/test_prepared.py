@@ -766,7 +766,12 @@ def test_outbox_prepared_list_show_commit_and_rollback(engine, outbox_url) -> No
         "rolled back 0 prepared message(s)",
         "1 of the ids given were not waiting for a verdict (see outbox prepared show ID)",
     ]
-    assert cli("prepared", "rollback", "--group", "ops") == "rolled back 2 prepared message(s)\n"
+    # Their steps may still commit: refused, unless the operator says they cannot.
+    unsure = CliRunner().invoke(main, ["prepared", "rollback", "--group", "ops", *url])
+    assert unsure.exit_code == 1 and "its step may still commit" in unsure.output
+    assert status_of(engine, second.message_id) == "prepared"
+    forced = cli("prepared", "rollback", "--step-cannot-happen", "--group", "ops")
+    assert forced == "rolled back 2 prepared message(s)\n"
     assert [status_of(engine, p.message_id) for p in (first, second, third)] == [
         "pending",
         "rolled_back",
@@ -803,11 +808,12 @@ def test_checkback_refuses_a_table_without_revision_0004(database_url: str) -> N
 SERVICE_GRANTS = """
 GRANT USAGE ON SCHEMA public TO {role};
 GRANT INSERT ON public.outbox TO {role};
-GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by, deliver_at)
+GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by, deliver_at,
+               released_idempotency_key)
    ON public.outbox TO {role};
 GRANT UPDATE (status, seq, created_at, resolved_at, resolved_by, next_check_at, lease_owner,
               lease_until, attempts, next_attempt_at, error_kind, last_error,
-              idempotency_key)
+              idempotency_key, released_idempotency_key)
    ON public.outbox TO {role};
 """
 #: ... and its check-back runner.
@@ -829,11 +835,14 @@ def test_the_documented_grants_are_enough(engine, login_role) -> None:  # type: 
         assert prepared.prepare("orders", {"n": 1}, idempotency_key="order-1").duplicate
         kept.commit()
         kept.commit()
-        dropped = prepared.prepare("orders", {"n": 2})
+        dropped = prepared.prepare("orders", {"n": 2}, idempotency_key="order-2")
         dropped.rollback()
         with pytest.raises(NotPrepared):
             dropped.commit()
+        with pytest.raises(NotPrepared, match="rolled back by its producer"):
+            prepared.commit(dropped.message_id, after_rollback=True)
         left = prepared.prepare("orders", {"n": 3})
+        undone = prepared.prepare("orders", {"n": 5}, idempotency_key="order-5", group="undone")
     finally:
         service.dispose()
     # Without UPDATE, the decision fails for good: a typed error, not "left to check-back".
@@ -848,8 +857,17 @@ def test_the_documented_grants_are_enough(engine, login_role) -> None:  # type: 
         insert_only.dispose()
     registry = CheckRegistry()
     registry.add_checker(answers(COMMIT), "orders")
+    registry.add_checker(answers(ROLLBACK), "undone")
     config = fast_config(urls["runner"])
     with running_checkback(registry, config):
         wait_for(lambda: status_of(engine, left.message_id) == "pending", 20, "checked")
+        wait_for(lambda: status_of(engine, undone.message_id) == "rolled_back", 20, "checked")
     assert status_of(engine, kept.message_id) == "pending"
     assert status_of(engine, dropped.message_id) == "rolled_back"
+    # The step happened after all: the service commits it after the rollback, key and all.
+    service = sa.create_engine(urls["service"])
+    try:
+        PreparedMessages(Outbox(service)).commit(undone.message_id, after_rollback=True)
+    finally:
+        service.dispose()
+    assert row(engine, undone.message_id)["idempotency_key"] == "order-5"

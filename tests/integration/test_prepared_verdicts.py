@@ -146,6 +146,6 @@ def test_rollback_of_nothing_exits_non_zero(engine, outbox_url) -> None:  # type
     assert nothing.exit_code == 1 and nothing.output == "rolled back 0 prepared message(s)\n"
     prepared = PreparedMessages(Outbox(engine), group="ops")
     one = prepared.prepare("orders", {"n": 1})
-    done = cli(outbox_url, "prepared", "rollback", "--all")
+    done = cli(outbox_url, "prepared", "rollback", "--step-cannot-happen", "--all")
     assert done.exit_code == 0 and done.output == "rolled back 1 prepared message(s)\n"
     assert base.status_of(engine, one.message_id) == "rolled_back"
