@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -26,6 +26,9 @@ from outbox.cli_options import (
 )
 from outbox.errors import OutboxError
 from outbox.redaction import mask_secrets
+
+if TYPE_CHECKING:
+    from outbox.prepared.checkers import CheckRegistry
 
 
 @click.command()
@@ -181,6 +184,20 @@ def _store(schema: str, table: str) -> Any:
     from outbox.prepared.store import PreparedStore
 
     return PreparedStore(table_spec(schema, table))
+
+
+def load_checkers(target: str | None) -> CheckRegistry | None:
+    """The CheckRegistry that a ``--checker MODULE:REGISTRY`` option names (a module of the
+    working directory too), or None without one; one that does not load fails the command."""
+    if target is None:
+        return None
+    from outbox.prepared.checkers import load_registry
+
+    modules_from_working_directory()
+    try:
+        return load_registry(target)
+    except (OutboxError, ValueError) as exc:
+        raise click.ClickException(mask_secrets(str(exc))) from exc
 
 
 @prepared.command("list")
@@ -370,55 +387,29 @@ def prepared_rollback(
     _chosen(message_ids, topic, group, everything)
     if checker_target and step_cannot_happen:
         raise click.UsageError("pass --checker or --step-cannot-happen, not both")
-    from outbox.prepared.decisions import decide, rollback_through_checkers
+    from outbox.prepared.decisions import operator_rollback
 
     store = _store(schema, table)
-    given = set(message_ids)
-    if checker_target is None:
-
-        def run(engine: Any) -> int:
-            with engine.begin() as conn:
-                return decide(
-                    conn,
-                    store,
-                    commit=False,
-                    ids=list(message_ids),
-                    topic=topic,
-                    check_group=group,
-                    step_cannot_happen=step_cannot_happen,
-                )
-
-        with database_engine(database_url) as engine:
-            count = run_db_step(lambda: run(engine))
-        click.echo(f"rolled back {count} prepared message(s)")
-        not_waiting = len(given) - count if given else 0
-        every_one = True
-    else:
-        from outbox.prepared.checkers import load_registry
-
-        modules_from_working_directory()
-        try:
-            registry = load_registry(checker_target)
-        except (OutboxError, ValueError) as exc:
-            raise click.ClickException(mask_secrets(str(exc))) from exc
-        with database_engine(database_url) as engine:
-            result = run_db_step(
-                lambda: rollback_through_checkers(
-                    engine,
-                    store,
-                    registry,
-                    ids=list(message_ids),
-                    topic=topic,
-                    check_group=group,
-                    check_timeout=check_timeout,
-                )
+    registry = load_checkers(checker_target)
+    with database_engine(database_url) as engine:
+        result = run_db_step(
+            lambda: operator_rollback(
+                engine,
+                store,
+                registry,
+                ids=list(message_ids),
+                topic=topic,
+                check_group=group,
+                step_cannot_happen=step_cannot_happen,
+                check_timeout=check_timeout,
             )
-        count = result.rolled_back
-        click.echo(f"rolled back {count} prepared message(s)")
-        for message_id, why in result.refused.items():
-            click.echo(f"{message_id}: not rolled back: {why}", err=True)
-        not_waiting = len(given - result.found)
-        every_one = count == len(result.found)
+        )
+    count = result.rolled_back
+    click.echo(f"rolled back {count} prepared message(s)")
+    for message_id, why in result.refused.items():
+        click.echo(f"{message_id}: not rolled back: {why}", err=True)
+    not_waiting = len(set(message_ids) - result.found)
+    every_one = count == len(result.found)
     if not_waiting:
         click.echo(
             f"{not_waiting} of the ids given were not waiting for a verdict "

@@ -1,9 +1,10 @@
 """An operator's verdict on prepared messages: commit or roll back those waiting for one.
 
-One implementation for both faces: ``outbox prepared commit|rollback`` and the dashboard
-(:mod:`outbox.dashboard`) call :func:`decide`, so both keep the same rules: only a message
-still waiting for a verdict (prepared, or left dead by check-back) is decided, a message
-rolled back by check-back or an operator is committed only when asked by its id
+One implementation for both faces: ``outbox prepared commit`` and the dashboard's commit
+(:mod:`outbox.dashboard`) call :func:`decide`, ``outbox prepared rollback`` and the
+dashboard's rollback call :func:`operator_rollback`, so both keep the same rules: only a
+message still waiting for a verdict (prepared, or left dead by check-back) is decided, a
+message rolled back by check-back or an operator is committed only when asked by its id
 (``after_rollback``), and a rollback needs its step blocked first.
 
 A message waiting for a verdict may have its step still running (its producer alive, the
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from outbox.errors import StepNotBlocked
+from outbox.errors import ConfigError, StepNotBlocked
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN
 from outbox.prepared.calls import TIMEOUT, CheckCalls
 from outbox.prepared.checkers import CheckMessage, CheckRegistry
@@ -63,6 +64,12 @@ def decide(
     chosen = [row["id"] for row in rows]
     if commit:
         return store.commit(conn, chosen, OPERATOR)
+    return _rollback_unchecked(conn, store, chosen, step_cannot_happen)
+
+
+def _rollback_unchecked(
+    conn: sa.Connection, store: PreparedStore, chosen: list[uuid.UUID], step_cannot_happen: bool
+) -> int:
     if chosen and not step_cannot_happen:
         raise StepNotBlocked(
             f"{len(chosen)} message(s) waiting for a verdict, none rolled back: its step may "
@@ -78,9 +85,10 @@ def decide(
 
 @dataclass(frozen=True)
 class CheckedRollback:
-    """What :func:`rollback_through_checkers` did: the messages waiting for a verdict it found
-    (``found``), how many of them it rolled back, and why each of the others was not
-    (``refused``: by message id; one missing there was decided meanwhile)."""
+    """What :func:`operator_rollback` (or :func:`rollback_through_checkers`) did: the messages
+    waiting for a verdict it found (``found``), how many of them it rolled back, and why each
+    of the others was not (``refused``: by message id; one missing there was decided
+    meanwhile)."""
 
     found: frozenset[uuid.UUID]
     rolled_back: int
@@ -139,3 +147,44 @@ def rollback_through_checkers(
     with engine.begin() as conn:
         count = store.rollback(conn, blocked, OPERATOR, checked=True)
     return CheckedRollback(frozenset(row["id"] for row in rows), count, refused)
+
+
+def operator_rollback(
+    engine: sa.Engine,
+    store: PreparedStore,
+    registry: CheckRegistry | None,
+    *,
+    ids: Sequence[uuid.UUID] = (),
+    topic: str | None = None,
+    check_group: str | None = None,
+    step_cannot_happen: bool = False,
+    check_timeout: float = CHECK_TIMEOUT,
+) -> CheckedRollback:
+    """An operator's rollback of the messages waiting for a verdict that ``ids``, ``topic``
+    and ``check_group`` pick, as ``outbox prepared rollback`` and the dashboard do it: through
+    ``registry``'s checkers when there is one (:func:`rollback_through_checkers`: only those
+    whose checker blocked the step are rolled back); without one, only when the operator says
+    that no chosen message's step can happen any more (``step_cannot_happen``), in one
+    transaction, and otherwise not at all: :class:`~outbox.errors.StepNotBlocked`.
+
+    A registry and ``step_cannot_happen`` together are refused
+    (:class:`~outbox.errors.ConfigError`): the operator would not know which one decided."""
+    if registry is not None:
+        if step_cannot_happen:
+            raise ConfigError(
+                "roll back through the checkers or say the steps cannot happen, not both"
+            )
+        return rollback_through_checkers(
+            engine,
+            store,
+            registry,
+            ids=ids,
+            topic=topic,
+            check_group=check_group,
+            check_timeout=check_timeout,
+        )
+    with engine.begin() as conn:
+        rows = store.unresolved(conn, ids=list(ids) or None, topic=topic, check_group=check_group)
+        chosen = [row["id"] for row in rows]
+        count = _rollback_unchecked(conn, store, chosen, step_cannot_happen)
+    return CheckedRollback(frozenset(chosen), count)
