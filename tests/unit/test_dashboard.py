@@ -198,7 +198,9 @@ def test_a_login_from_another_site_is_refused() -> None:
     assert status == 403 and "Set-Cookie" not in headers
 
 
-@pytest.mark.parametrize("path", ["/dead/retry", "/parked/retry", "/prepared/commit"])
+@pytest.mark.parametrize(
+    "path", ["/dead/retry", "/parked/retry", "/prepared/commit", "/prepared/rollback"]
+)
 def test_an_action_without_a_session_or_its_csrf_token_is_refused(path: str) -> None:
     app = app_with("t0ken")
     form = {"id": "0190f3c2-8d4e-7a31-9b2c-3f1e2d4c5b6a", "back": "/"}
