@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox.errors import (
     ConfigError,
+    IdempotencyKeyTaken,
     InvalidAnswer,
     InvalidCloudEvent,
     InvalidHeaders,
@@ -35,6 +36,7 @@ from outbox.errors import (
     LossyConversion,
     NotInTransaction,
     NotPrepared,
+    NotRolledBack,
     OutboxError,
     OutboxTableMissing,
     PayloadTooLarge,
@@ -57,6 +59,7 @@ __all__ = [
     "AsyncOutboxTransaction",
     "BytesSerializer",
     "ConfigError",
+    "IdempotencyKeyTaken",
     "ImmediateSender",
     "InvalidAnswer",
     "InvalidCloudEvent",
@@ -70,6 +73,7 @@ __all__ = [
     "NoKey",
     "NotInTransaction",
     "NotPrepared",
+    "NotRolledBack",
     "Outbox",
     "OutboxError",
     "OutboxTableMissing",

@@ -81,6 +81,45 @@ class NotPrepared(OutboxError):
         self.status = status
 
 
+class NotRolledBack(OutboxError):
+    """A commit after a rollback (``after_rollback=True``) found the message not rolled back
+    but still waiting for a verdict: ``status`` says where it stands (``prepared``, or
+    ``dead`` when check-back gave up on it). Commit it without ``after_rollback``."""
+
+    def __init__(self, text: str, *, message_id: object = None, status: str | None = None):
+        super().__init__(text)
+        self.message_id = message_id
+        self.status = status
+
+
+class IdempotencyKeyTaken(NotPrepared):
+    """A commit after a rollback refused: since the rollback gave the message's idempotency key
+    up, another message (``holder``, a retry: the same event) took it. Committing this one too
+    would publish the event twice; ``status`` is ``rolled_back``."""
+
+    def __init__(
+        self,
+        text: str,
+        *,
+        message_id: object = None,
+        idempotency_key: str | None = None,
+        holder: object = None,
+    ):
+        super().__init__(text, message_id=message_id, status="rolled_back")
+        self.idempotency_key = idempotency_key
+        self.holder = holder
+
+
+class StepNotBlocked(OutboxError):
+    """An operator's rollback refused: the messages' steps may still commit, and nothing made
+    sure they cannot (their checker, asked to decide, blocks a step before it answers
+    ROLLBACK). ``message_ids``: the messages it would have rolled back."""
+
+    def __init__(self, text: str, *, message_ids: tuple[object, ...] = ()):
+        super().__init__(text)
+        self.message_ids = message_ids
+
+
 class NotScheduled(OutboxError):
     """A cancel found no scheduled message to cancel: there is none with that id, or it fell
     due (it is pending or sent: it may be on its topic already). ``status`` says where it

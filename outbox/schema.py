@@ -194,6 +194,9 @@ def build_table(metadata: sa.MetaData, name: str, schema: str) -> sa.Table:
         # Scheduled messages (revision 0010): when the message may be sent, NULL for one sent
         # as soon as it can be.
         sa.Column("deliver_at", tz),
+        # Rolled-back prepared messages (revision 0011): the idempotency key the rollback gave
+        # up, so that a commit after the rollback can tell whether a retry took it since.
+        sa.Column("released_idempotency_key", sa.Text),
         sa.CheckConstraint(
             "status IN ('pending', 'sent', 'dead', 'prepared', 'rolled_back', 'scheduled',"
             " 'cancelled')",

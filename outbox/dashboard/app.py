@@ -12,7 +12,7 @@ import math
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 import jinja2
@@ -31,8 +31,12 @@ from outbox.dashboard.web import (
 )
 from outbox.database_errors import first_line
 from outbox.errors import OutboxError
+from outbox.prepared.decisions import CHECK_TIMEOUT
 from outbox.redaction import mask_secrets
 from outbox.status_report import age, shard_ranges
+
+if TYPE_CHECKING:
+    from outbox.prepared.checkers import CheckRegistry
 
 Page = Callable[["Dashboard", Request], Response]
 ROUTES: dict[tuple[str, str], Page] = {}
@@ -71,7 +75,10 @@ class Dashboard:
     """The WSGI application. ``sources`` name the databases it reads (shown masked);
     ``loopback_only``: answer only requests addressed to a loopback host name, so that a
     page of another site cannot reach the dashboard by pointing a name of its own at
-    127.0.0.1 (DNS rebinding)."""
+    127.0.0.1 (DNS rebinding). ``checkers``: the registry a prepared message's rollback asks
+    first, as ``outbox prepared rollback --checker`` does, each checker for at most
+    ``check_timeout`` seconds; without one a rollback needs the operator's word that the step
+    cannot happen (``--step-cannot-happen``)."""
 
     def __init__(
         self,
@@ -81,9 +88,13 @@ class Dashboard:
         refresh: float = 10,
         loopback_only: bool = True,
         sources: Iterable[str] = (),
+        checkers: CheckRegistry | None = None,
+        check_timeout: float = CHECK_TIMEOUT,
     ) -> None:
         self.reads = reads
         self.guard = guard
+        self.checkers = checkers
+        self.check_timeout = check_timeout
         # Whole seconds: a meta refresh of 0 would reload the page without end.
         self.refresh = math.ceil(refresh) if refresh > 0 else 0
         self.loopback_only = loopback_only
@@ -130,6 +141,7 @@ class Dashboard:
             "read_only": self.guard.read_only,
             "can_act": session is not None,
             "csrf": session.csrf if session else "",
+            "rollback_asks_checkers": self.checkers is not None,
             "back": back,
             "login_url": "/login?" + urlencode({"next": back}),
             "notes": notes,
@@ -368,34 +380,60 @@ def retry_parked(app: Dashboard, request: Request) -> Response:
     return app.act(request, run)
 
 
-def _decide(commit: bool) -> Page:
-    def page(app: Dashboard, request: Request) -> Response:
-        def run() -> str:
-            from outbox.prepared.decisions import decide
+@route("POST", "/prepared/commit")
+def commit_prepared(app: Dashboard, request: Request) -> Response:
+    def run() -> str:
+        from outbox.prepared.api import after_rollback_refusal
+        from outbox.prepared.decisions import decide
 
-            message_id = _message_id(request.field("id"))
-            after_rollback = commit and request.field("after_rollback") == "1"
-            with app.reads.outbox.begin() as conn:
-                count = decide(
-                    conn,
-                    app.reads.prepared_store,
-                    commit=commit,
-                    ids=[message_id],
-                    after_rollback=after_rollback,
-                )
-            verb = "committed" if commit else "rolled back"
-            if count == 0:
-                waiting = "rolled back by check-back" if after_rollback else "waiting for a verdict"
-                return f"{message_id} was not {verb}: it is not {waiting} (any more)"
-            return f"{verb} {message_id}" + (": the relay publishes it" if commit else "")
+        message_id = _message_id(request.field("id"))
+        after_rollback = request.field("after_rollback") == "1"
+        store = app.reads.prepared_store
+        with app.reads.outbox.begin() as conn:
+            count = decide(
+                conn, store, commit=True, ids=[message_id], after_rollback=after_rollback
+            )
+        if count:
+            return f"committed {message_id}: the relay publishes it"
+        if after_rollback:
+            with app.reads.outbox.connect() as conn:
+                row = store.rolled_back_statuses(conn, [message_id]).get(message_id)
+            refusal = after_rollback_refusal(message_id, row)
+            if refusal is not None:
+                return f"{message_id} was not committed: {refusal}"
+            return f"{message_id} was not committed: it is committed already"
+        return f"{message_id} was not committed: it is not waiting for a verdict (any more)"
 
-        return app.act(request, run)
-
-    return page
+    return app.act(request, run)
 
 
-route("POST", "/prepared/commit")(_decide(commit=True))
-route("POST", "/prepared/rollback")(_decide(commit=False))
+@route("POST", "/prepared/rollback")
+def rollback_prepared(app: Dashboard, request: Request) -> Response:
+    def run() -> str:
+        from outbox.prepared.decisions import operator_rollback
+
+        message_id = _message_id(request.field("id"))
+        # The rollback of `outbox prepared rollback`, with its rules: through the checkers,
+        # or on the operator's word that the step cannot happen; StepNotBlocked otherwise.
+        result = operator_rollback(
+            app.reads.outbox,
+            app.reads.prepared_store,
+            app.checkers,
+            ids=[message_id],
+            step_cannot_happen=request.field("step_cannot_happen") == "1",
+            check_timeout=app.check_timeout,
+        )
+        if result.rolled_back:
+            if app.checkers is not None:
+                return f"rolled back {message_id}: its checker blocked the step (ROLLBACK)"
+            return (
+                f"rolled back {message_id} on your word that its step cannot happen "
+                "(`outbox prepared list --unblocked` lists it)"
+            )
+        why = result.refused.get(message_id, "it is not waiting for a verdict (any more)")
+        return f"{message_id} was not rolled back: {why}"
+
+    return app.act(request, run)
 
 
 def _one_or_cause(request: Request) -> tuple[list[uuid.UUID], str | None]:

@@ -85,6 +85,26 @@ MISSING_EXTRA = (
     "dashboard is read-only. Prefer the variable: a command line is visible to other users.",
 )
 @click.option(
+    "--checker",
+    "checker_target",
+    metavar="MODULE:REGISTRY",
+    envvar="OUTBOX_DASHBOARD_CHECKER",
+    show_envvar=True,
+    default=None,
+    help="The service's CheckRegistry (as `outbox prepared rollback --checker` takes it): a "
+    "rollback asks the message's checker first and rolls back only on its ROLLBACK. Without "
+    "it a rollback needs the operator to tick that the step cannot happen.",
+)
+@click.option(
+    "--check-timeout",
+    envvar="OUTBOX_DASHBOARD_CHECK_TIMEOUT",
+    show_envvar=True,
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds each checker may take (with --checker); past it the message is left.",
+)
+@click.option(
     "--refresh",
     envvar="OUTBOX_DASHBOARD_REFRESH",
     show_envvar=True,
@@ -119,6 +139,8 @@ def dashboard(
     port: int,
     allow_remote: bool,
     token: str | None,
+    checker_target: str | None,
+    check_timeout: float,
     refresh: float,
     scan_interval: float,
     log_level: str,
@@ -127,10 +149,11 @@ def dashboard(
 
     The overview (what is pending, dead, parked, prepared or scheduled; the relays and
     their shards; the consumers), dead and parked messages by cause with their retries,
-    prepared messages with commit and rollback, a message looked up by id
-    (docs/dashboard.md). Reads the outbox's database and the inbox's
-    (--inbox-database-url); read-only unless started with a token. Stops on SIGTERM or
-    SIGINT.
+    prepared messages with their commit and rollback (the rules of `outbox prepared
+    rollback`: through --checker's checkers, or on the operator's word that the step cannot
+    happen), a message looked up by id (docs/dashboard.md). Reads the outbox's database and
+    the inbox's (--inbox-database-url); read-only unless started with a token. Stops on
+    SIGTERM or SIGINT.
     """
     try:
         import jinja2  # noqa: F401
@@ -144,6 +167,7 @@ def dashboard(
     from outbox.dashboard.server import check_bind, serve
     from outbox.inbox.schema import InboxTableSpec
     from outbox.logs import configure_logging
+    from outbox.prepared.cli import load_checkers
     from outbox.queries import Queries
 
     configure_logging(log_level, None)
@@ -154,6 +178,7 @@ def dashboard(
         guard = Guard(token)
     except (OutboxError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
+    checkers = load_checkers(checker_target)
     kafka = None
     if bootstrap_servers:
         from outbox.inbox.config import kafka_config_from_env
@@ -179,8 +204,9 @@ def dashboard(
         if not same:
             sources.append(f"inbox {inbox_engine.url.render_as_string(hide_password=True)}")
         app = Dashboard(
-            reads, guard, refresh=refresh, loopback_only=warning is None, sources=sources
-        )
+            reads, guard, refresh=refresh, loopback_only=warning is None, sources=sources,
+            checkers=checkers, check_timeout=check_timeout,
+        )  # fmt: skip
         try:
             server = serve(app, host, port)
         except OSError as exc:
@@ -190,6 +216,8 @@ def dashboard(
         bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         mode = "read-only: no token" if guard.read_only else "actions need the token"
+        if checker_target and not guard.read_only:
+            mode += f"; rollbacks ask {checker_target}"
         click.echo(f"outbox dashboard on http://{shown}:{bound_port}/ ({mode})")
         on_stop_signals(
             lambda: threading.Thread(target=server.shutdown).start(), log, "stopping the dashboard"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from outbox.errors import StepNotBlocked
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer
 from outbox.prepared.api import Prepared, PreparedMessages, TransactionResult
 from outbox.prepared.checkers import CheckMessage, CheckRegistry, load_registry
@@ -55,6 +56,7 @@ __all__ = [
     "StepAbandoned",
     "StepInProgress",
     "StepLog",
+    "StepNotBlocked",
     "TransactionResult",
     "bound_step",
     "load_registry",

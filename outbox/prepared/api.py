@@ -35,14 +35,20 @@ from typing import Any, TypeAlias
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox.errors import ConfigError, NotPrepared
+from outbox.errors import (
+    ConfigError,
+    IdempotencyKeyTaken,
+    NotPrepared,
+    NotRolledBack,
+    OutboxError,
+)
 from outbox.ids import as_message_id
 from outbox.message import NO_KEY, EncodedMessage, Message, NoKey, encode_message
 from outbox.prepared.answers import COMMIT, ROLLBACK, UNKNOWN, Answer, parse_answer
 from outbox.prepared.checkers import validate_group
-from outbox.prepared.store import CHECK, EXPIRED, PRODUCER, UNRESOLVED, PreparedStore
+from outbox.prepared.store import CHECK, EXPIRED, OPERATOR, PRODUCER, UNRESOLVED, PreparedStore
 from outbox.publisher import Outbox
-from outbox.schema import CANCELLED, DEAD, PENDING, ROLLED_BACK, SCHEDULED, SENT
+from outbox.schema import CANCELLED, DEAD, PENDING, PREPARED, ROLLED_BACK, SCHEDULED, SENT
 from outbox.tracing import current_trace_headers
 from outbox.validation import HeadersLike, KeyLike
 
@@ -219,10 +225,13 @@ class PreparedMessages:
         committed before it. Committing a message already committed does nothing; one that
         was rolled back (by a check, say) raises :class:`~outbox.errors.NotPrepared`.
 
-        ``after_rollback=True`` commits a message that check-back rolled back (a checker
-        answered ROLLBACK, or ``max_checks`` ran out) when its step committed after all: the
-        answer to a ``NotPrepared`` after the step committed (docs/prepared-messages.md). A
-        message rolled back by its producer or an operator still raises ``NotPrepared``.
+        ``after_rollback=True`` commits a message that check-back or an operator rolled back
+        when its step committed after all: the answer to a ``NotPrepared`` after the step
+        committed (docs/prepared-messages.md). It takes back the idempotency key it gave up at
+        the rollback. A message rolled back by its producer still raises ``NotPrepared``, one
+        whose key another message took since the rollback (a retry of the same event)
+        :class:`~outbox.errors.IdempotencyKeyTaken`, and one still waiting for a verdict
+        (prepared, or dead for an operator) :class:`~outbox.errors.NotRolledBack`.
         """
         self._decide_sync(as_message_id(message_id), COMMIT, after_rollback)
 
@@ -382,9 +391,16 @@ class PreparedMessages:
                 )
             else:
                 done = self.store.rollback(conn, [message_id], PRODUCER)
-        if not done:
-            row = self.store.statuses(conn, [message_id]).get(message_id)
-            already_decided(message_id, row, answer)
+        if done:
+            return
+        if answer is COMMIT and after_rollback:
+            row = self.store.rolled_back_statuses(conn, [message_id]).get(message_id)
+            refusal = after_rollback_refusal(message_id, row)
+            if refusal is not None:
+                raise refusal
+            return
+        row = self.store.statuses(conn, [message_id]).get(message_id)
+        already_decided(message_id, row, answer)
 
 
 def already_decided(
@@ -403,7 +419,7 @@ def already_decided(
     decided = "committed" if committed else "rolled back"
     wanted = "committed" if answer is COMMIT else "rolled back"
     hint = ": it may be on its topic already" if committed else ""
-    if answer is COMMIT and row["resolved_by"] in (CHECK, EXPIRED):
+    if answer is COMMIT and row["resolved_by"] in (CHECK, EXPIRED, OPERATOR):
         hint = (
             ": if its step did happen, commit it with commit(id, after_rollback=True) or "
             f"`outbox prepared commit --after-rollback {message_id}`"
@@ -411,6 +427,55 @@ def already_decided(
     raise NotPrepared(
         f"message {message_id} was already {decided} (by {row['resolved_by'] or 'unknown'}), "
         f"it cannot be {wanted}{hint}",
+        message_id=message_id,
+        status=status,
+    )
+
+
+def after_rollback_refusal(
+    message_id: uuid.UUID, row: Mapping[str, Any] | sa.RowMapping | None
+) -> OutboxError | None:
+    """Why a commit after a rollback changed nothing (``row``: the message's
+    :meth:`~outbox.prepared.store.PreparedStore.rolled_back_statuses`), as the error to raise;
+    None when the message is committed already (doing it again is nothing)."""
+    if row is None or row["prepared_at"] is None:
+        status = None if row is None else row["status"]
+        return NotPrepared(
+            f"no prepared message {message_id}", message_id=message_id, status=status
+        )
+    status = row["status"]
+    if status == PREPARED or (status == DEAD and row["error_kind"] == UNRESOLVED):
+        where = (
+            "is still prepared"
+            if status == PREPARED
+            else "is dead, left for an operator by check-back"
+        )
+        return NotRolledBack(
+            f"message {message_id} {where}, not rolled back: it waits for a verdict; commit "
+            f"it without after_rollback (`outbox prepared commit {message_id}`)",
+            message_id=message_id,
+            status=status,
+        )
+    if status != ROLLED_BACK:
+        return None  # committed: the commit happened already
+    if row["resolved_by"] == PRODUCER:
+        return NotPrepared(
+            f"message {message_id} was rolled back by its producer: it stays rolled back",
+            message_id=message_id,
+            status=status,
+        )
+    if row["key_holder"] is not None:
+        key = row["released_idempotency_key"]
+        return IdempotencyKeyTaken(
+            f"message {message_id} gave its idempotency key {key!r} up at its rollback, and "
+            f"message {row['key_holder']} took it since (a retry of the same event): "
+            "committing this one too would publish the event twice",
+            message_id=message_id,
+            idempotency_key=key,
+            holder=row["key_holder"],
+        )
+    return NotPrepared(  # taken and released again meanwhile: the caller may try again
+        f"message {message_id} could not be committed after its rollback: try again",
         message_id=message_id,
         status=status,
     )

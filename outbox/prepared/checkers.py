@@ -63,6 +63,12 @@ class CheckMessage:
     #: database's clock (the one ``prepared_at`` was taken by, whatever this host's says).
     #: Made by hand without it: by this host's clock.
     age_at_claim: timedelta | None = None
+    #: This check must decide: on anything but a ROLLBACK the message is not rolled back
+    #: (it ends dead for an operator, or the operator's rollback is refused), so a checker
+    #: that can make the step impossible does it now and answers ROLLBACK, instead of
+    #: UNKNOWN. Set on the last check under ``--on-max-checks rollback`` and on an
+    #: operator's rollback through the checker (``outbox prepared rollback --checker``).
+    final: bool = False
 
     @property
     def age(self) -> timedelta:
@@ -134,11 +140,13 @@ class CheckRegistry:
     def checkers(self) -> Mapping[str, Checker]:
         return dict(self._checkers)
 
-    def message(self, row: Mapping[str, Any] | RowMapping, *, decode: bool = True) -> CheckMessage:
+    def message(
+        self, row: Mapping[str, Any] | RowMapping, *, decode: bool = True, final: bool = False
+    ) -> CheckMessage:
         """The message a checker gets, from a claimed row (the value decoded; a value the
         deserializer cannot read, it raises ValueError, is passed undecoded, as bytes; any
         other exception of the deserializer propagates). ``decode=False`` leaves the value
-        undecoded."""
+        undecoded; ``final`` asks the checker to decide (:attr:`CheckMessage.final`)."""
         names = row["header_names"] or ()
         values = row["header_values"] or ()
         headers = tuple(zip(names, (_bytes(v) for v in values), strict=True))
@@ -161,6 +169,7 @@ class CheckRegistry:
             checks=row["check_count"],
             raw_value=raw,
             age_at_claim=None if age is None else timedelta(seconds=float(age)),
+            final=final,
         )
 
 

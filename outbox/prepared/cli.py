@@ -4,9 +4,8 @@ view of prepared messages), registered on the ``outbox`` command line by ``outbo
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +26,9 @@ from outbox.cli_options import (
 )
 from outbox.errors import OutboxError
 from outbox.redaction import mask_secrets
+
+if TYPE_CHECKING:
+    from outbox.prepared.checkers import CheckRegistry
 
 
 @click.command()
@@ -184,6 +186,20 @@ def _store(schema: str, table: str) -> Any:
     return PreparedStore(table_spec(schema, table))
 
 
+def load_checkers(target: str | None) -> CheckRegistry | None:
+    """The CheckRegistry that a ``--checker MODULE:REGISTRY`` option names (a module of the
+    working directory too), or None without one; one that does not load fails the command."""
+    if target is None:
+        return None
+    from outbox.prepared.checkers import load_registry
+
+    modules_from_working_directory()
+    try:
+        return load_registry(target)
+    except (OutboxError, ValueError) as exc:
+        raise click.ClickException(mask_secrets(str(exc))) from exc
+
+
 @prepared.command("list")
 @DATABASE_URL
 @SCHEMA
@@ -191,30 +207,61 @@ def _store(schema: str, table: str) -> Any:
 @click.option("--topic", default=None)
 @click.option("--group", default=None, help="Only this check group's messages.")
 @click.option("--limit", default=50, show_default=True)
+@click.option(
+    "--unblocked",
+    is_flag=True,
+    help="List instead the rolled-back messages whose step nothing blocked before the "
+    "rollback, newest first: their step may have happened (commit one with --after-rollback).",
+)
 def prepared_list(
-    database_url: str, schema: str, table: str, topic: str | None, group: str | None, limit: int
+    database_url: str,
+    schema: str,
+    table: str,
+    topic: str | None,
+    group: str | None,
+    limit: int,
+    unblocked: bool,
 ) -> None:
     """List messages waiting for a verdict (prepared, or left dead by check-back), oldest
-    first."""
+    first; or, with --unblocked, the rolled-back messages whose step may have happened."""
 
     store = _store(schema, table)
 
     def run(engine: Any) -> None:
         with engine.connect() as conn:
-            rows = store.unresolved(conn, topic=topic, check_group=group, limit=limit)
+            if unblocked:
+                rows = store.unblocked_rollbacks(conn, topic=topic, check_group=group, limit=limit)
+            else:
+                rows = store.unresolved(conn, topic=topic, check_group=group, limit=limit)
         now = datetime.now(UTC)
         for row in rows:
             key = row["key"].decode(errors="replace") if row["key"] is not None else "-"
             age = int((now - row["prepared_at"]).total_seconds())
-            due = row["next_check_at"]
-            click.echo(
-                f"{row['id']}  {row['topic']}  key={key}  group={row['check_group']}  "
-                f"{row['status']}  age={age}s  checks={row['check_count']}  "
-                f"failed={row['check_failures']}  "
-                f"last={row['last_check_answer'] or '-'}  "
-                f"next={due.isoformat(timespec='seconds') if due else '-'}"
+            head = f"{row['id']}  {row['topic']}  key={key}  group={row['check_group']}  "
+            checks = (
+                f"checks={row['check_count']}  failed={row['check_failures']}  "
+                f"last={row['last_check_answer'] or '-'}"
             )
-        click.echo(f"{len(rows)} message(s) waiting for a verdict")
+            if unblocked:
+                resolved = row["resolved_at"]
+                click.echo(
+                    f"{head}{row['status']}  by={row['resolved_by']}  "
+                    f"at={resolved.isoformat(timespec='seconds') if resolved else '-'}  "
+                    f"age={age}s  {checks}"
+                )
+            else:
+                due = row["next_check_at"]
+                click.echo(
+                    f"{head}{row['status']}  age={age}s  {checks}  "
+                    f"next={due.isoformat(timespec='seconds') if due else '-'}"
+                )
+        if unblocked:
+            click.echo(
+                f"{len(rows)} rolled-back message(s) whose step was not blocked: if one's step "
+                "happened, `outbox prepared commit --after-rollback ID` publishes it"
+            )
+        else:
+            click.echo(f"{len(rows)} message(s) waiting for a verdict")
 
     with database_engine(database_url) as engine:
         run_db_step(lambda: run(engine))
@@ -223,69 +270,151 @@ def prepared_list(
 prepared.add_command(dead_show, "show")
 
 
-def _decide(commit: bool) -> Callable[..., None]:
-    @message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
-    @click.option("--group", default=None, help="Only this check group's messages.")
-    def command(
-        database_url: str,
-        schema: str,
-        table: str,
-        topic: str | None,
-        everything: bool,
-        message_ids: tuple[Any, ...],
-        group: str | None,
-        after_rollback: bool = False,
-    ) -> None:
-        if not (message_ids or topic or group or everything):
-            raise click.UsageError("name message ids, or pass --topic, --group or --all")
-        if after_rollback and (topic or group or everything or not message_ids):
-            raise click.UsageError("--after-rollback takes message ids only")
-        from outbox.prepared.decisions import decide
-
-        store = _store(schema, table)
-
-        def run(engine: Any) -> int:
-            with engine.begin() as conn:
-                return decide(
-                    conn,
-                    store,
-                    commit=commit,
-                    ids=list(message_ids),
-                    topic=topic,
-                    check_group=group,
-                    after_rollback=after_rollback,
-                )
-
-        with database_engine(database_url) as engine:
-            count = run_db_step(lambda: run(engine))
-        click.echo(f"{'committed' if commit else 'rolled back'} {count} prepared message(s)")
-        missed = len(set(message_ids)) - count
-        if message_ids and missed:
-            waiting = "rolled back by check-back" if after_rollback else "waiting for a verdict"
-            click.echo(
-                f"{missed} of the ids given were not {waiting} (see outbox prepared show ID)",
-                err=True,
-            )
-        if count == 0 or (message_ids and missed):
-            sys.exit(1)  # a script must see that nothing (or not all it named) was decided
-
-    return command
+def _chosen(
+    message_ids: tuple[Any, ...], topic: str | None, group: str | None, everything: bool
+) -> None:
+    if not (message_ids or topic or group or everything):
+        raise click.UsageError("name message ids, or pass --topic, --group or --all")
 
 
-_AFTER_ROLLBACK = click.option(
-    "--after-rollback",
-    is_flag=True,
-    help="Commit the given messages that check-back rolled back (a checker's ROLLBACK, or "
-    "--on-max-checks rollback): the step happened after all. They are published now.",
-)
-
-prepared.command(
+@prepared.command(
     "commit",
     help="Commit messages waiting for a verdict: they become pending and are published. "
     "Exits 1 when it committed nothing, or not every id given.",
-)(_AFTER_ROLLBACK(_decide(commit=True)))
-prepared.command(
+)
+@message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
+@click.option("--group", default=None, help="Only this check group's messages.")
+@click.option(
+    "--after-rollback",
+    is_flag=True,
+    help="Commit the given messages that check-back or an operator rolled back (not their "
+    "producer): the step happened after all. They are published now. One whose idempotency "
+    "key a retry took since is refused.",
+)
+def prepared_commit(
+    database_url: str,
+    schema: str,
+    table: str,
+    topic: str | None,
+    everything: bool,
+    message_ids: tuple[Any, ...],
+    group: str | None,
+    after_rollback: bool,
+) -> None:
+    _chosen(message_ids, topic, group, everything)
+    if after_rollback and (topic or group or everything or not message_ids):
+        raise click.UsageError("--after-rollback takes message ids only")
+    from outbox.prepared.api import after_rollback_refusal
+    from outbox.prepared.decisions import decide
+
+    store = _store(schema, table)
+
+    def run(engine: Any) -> tuple[int, list[str]]:
+        with engine.begin() as conn:
+            count = decide(
+                conn,
+                store,
+                commit=True,
+                ids=list(message_ids),
+                topic=topic,
+                check_group=group,
+                after_rollback=after_rollback,
+            )
+        if not after_rollback or count == len(set(message_ids)):
+            return count, []
+        with engine.connect() as conn:  # why the others were not committed
+            rows = store.rolled_back_statuses(conn, list(message_ids))
+        refusals = (after_rollback_refusal(i, rows.get(i)) for i in dict.fromkeys(message_ids))
+        return count, [str(refusal) for refusal in refusals if refusal is not None]
+
+    with database_engine(database_url) as engine:
+        count, reasons = run_db_step(lambda: run(engine))
+    click.echo(f"committed {count} prepared message(s)")
+    for reason in reasons:
+        click.echo(reason, err=True)
+    missed = len(set(message_ids)) - count
+    if message_ids and missed and not after_rollback:
+        click.echo(
+            f"{missed} of the ids given were not waiting for a verdict "
+            "(see outbox prepared show ID)",
+            err=True,
+        )
+    if count == 0 or (message_ids and missed):
+        sys.exit(1)  # a script must see that nothing (or not all it named) was decided
+
+
+@prepared.command(
     "rollback",
-    help="Roll back messages waiting for a verdict: they are never published. "
-    "Exits 1 when it rolled back nothing, or not every id given.",
-)(_decide(commit=False))
+    help="Roll back messages waiting for a verdict: they are never published. Each message's "
+    "checker (--checker) is asked first to decide, as check-back's last check is, and only "
+    "those it answers ROLLBACK to (it blocked the step) are rolled back; without --checker, "
+    "or --step-cannot-happen, it refuses: a step may still commit. Exits 1 when it rolled "
+    "back nothing, or not every message chosen.",
+)
+@message_selection("Only this topic's messages.", "Every message waiting for a verdict.")
+@click.option("--group", default=None, help="Only this check group's messages.")
+@click.option(
+    "--checker",
+    "checker_target",
+    metavar="MODULE:REGISTRY",
+    default=None,
+    help="The service's CheckRegistry (as `outbox checkback` takes it): its checkers decide.",
+)
+@click.option(
+    "--check-timeout",
+    default=10.0,
+    show_default=True,
+    help="Seconds each checker may take (with --checker); past it the message is left.",
+)
+@click.option(
+    "--step-cannot-happen",
+    is_flag=True,
+    help="Roll back without asking: you made sure the steps can no longer happen. "
+    "`outbox prepared list --unblocked` lists such rollbacks.",
+)
+def prepared_rollback(
+    database_url: str,
+    schema: str,
+    table: str,
+    topic: str | None,
+    everything: bool,
+    message_ids: tuple[Any, ...],
+    group: str | None,
+    checker_target: str | None,
+    check_timeout: float,
+    step_cannot_happen: bool,
+) -> None:
+    _chosen(message_ids, topic, group, everything)
+    if checker_target and step_cannot_happen:
+        raise click.UsageError("pass --checker or --step-cannot-happen, not both")
+    from outbox.prepared.decisions import operator_rollback
+
+    store = _store(schema, table)
+    registry = load_checkers(checker_target)
+    with database_engine(database_url) as engine:
+        result = run_db_step(
+            lambda: operator_rollback(
+                engine,
+                store,
+                registry,
+                ids=list(message_ids),
+                topic=topic,
+                check_group=group,
+                step_cannot_happen=step_cannot_happen,
+                check_timeout=check_timeout,
+            )
+        )
+    count = result.rolled_back
+    click.echo(f"rolled back {count} prepared message(s)")
+    for message_id, why in result.refused.items():
+        click.echo(f"{message_id}: not rolled back: {why}", err=True)
+    not_waiting = len(set(message_ids) - result.found)
+    every_one = count == len(result.found)
+    if not_waiting:
+        click.echo(
+            f"{not_waiting} of the ids given were not waiting for a verdict "
+            "(see outbox prepared show ID)",
+            err=True,
+        )
+    if count == 0 or not_waiting or not every_one:
+        sys.exit(1)  # a script must see that nothing (or not all it chose) was rolled back

@@ -10,7 +10,8 @@ from outbox.outages import DATABASE_OUTAGE_LIMIT
 from outbox.schema import DEAD, ROLLED_BACK, OutboxTableSpec
 
 #: How a message ends when check-back gives up on it (``on_max_checks``): dead for an operator
-#: to decide (``outbox prepared commit/rollback``), or rolled back, as RocketMQ does.
+#: to decide (``outbox prepared commit/rollback``), or rolled back, as RocketMQ does, once
+#: the last check blocked the step.
 ROLLBACK_AT_MAX, DEAD_AT_MAX = "rollback", "dead"
 _END_STATUS = {ROLLBACK_AT_MAX: ROLLED_BACK, DEAD_AT_MAX: DEAD}
 #: Upper bounds of the settings in seconds: beyond them a value is a mistake, and overflows
@@ -40,10 +41,11 @@ class CheckbackConfig:
     #: (RocketMQ's transactionCheckMax, 15).
     max_checks: int = 15
     #: ``dead`` (the default): an operator decides (``outbox prepared commit/rollback``),
-    #: alerted by the ``outbox_checkback_expired`` counter. ``rollback``: rolled back, as
-    #: RocketMQ does, but only when every check answered UNKNOWN; a message with a failed
-    #: check (the checker raised or timed out) ends dead all the same, since a failure says
-    #: nothing about the step.
+    #: alerted by the ``outbox_checkback_expired`` counter. ``rollback``: the last check is
+    #: asked to decide (:attr:`~outbox.prepared.CheckMessage.final`) and the message is
+    #: rolled back, as RocketMQ does, when it answers ROLLBACK (the checker blocked the
+    #: step); anything else to it (UNKNOWN, an error, a timeout) ends the message dead all the
+    #: same, since the step may still commit.
     on_max_checks: str = DEAD_AT_MAX
     #: Checker calls past their timeout that may pile up before /healthz reports the runner
     #: unhealthy (a supervisor then restarts it).
@@ -87,8 +89,14 @@ class CheckbackConfig:
 
     @property
     def end_status(self) -> str:
-        """The status a message ends in after ``max_checks`` checks without a verdict."""
+        """The status a message ends in after ``max_checks`` checks without a verdict, when
+        the last one blocked the step (``rollback``: rolled back) or was not asked to."""
         return _END_STATUS[self.on_max_checks]
+
+    def final_check(self, checks_made: int) -> bool:
+        """Whether the next check of a message checked ``checks_made`` times must decide:
+        its last one, under ``on_max_checks="rollback"``."""
+        return self.on_max_checks == ROLLBACK_AT_MAX and checks_made + 1 >= self.max_checks
 
     @property
     def lease_seconds(self) -> float:

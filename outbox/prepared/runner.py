@@ -20,8 +20,9 @@ checker never holds back the checks of the messages behind it):
 3. record the checks that answered (or timed out) since the last turn, and act on them, in
    one transaction: COMMIT makes the message pending, ROLLBACK rolls it back; UNKNOWN, an
    error or a timeout schedules the next check with backoff, and after ``max_checks`` of
-   them the message ends dead for an operator, or rolled back when so configured and every
-   check answered UNKNOWN (a failed check says nothing about the step).
+   them the message ends dead for an operator. With ``on_max_checks="rollback"`` the last
+   check is asked to decide (``CheckMessage.final``): its ROLLBACK, which blocked the step,
+   rolls the message back (``expired``); anything else leaves it dead all the same.
 
 A runner that dies mid-round leaves its rows leased; once the lease runs out another runner
 (or its restart) checks them again. A round recorded after the producer decided the message
@@ -173,12 +174,15 @@ class CheckbackRunner(Stoppable):
             return 0
         messages: list[CheckMessage] = []
         for row in rows:
+            final = self.config.final_check(row["check_count"])
             try:
-                messages.append(self.registry.message(row))
+                messages.append(self.registry.message(row, final=final))
             except Exception as exc:  # the deserializer's: an error check of this message
                 error = f"could not decode the message: {type(exc).__name__}: {exc}"
                 self._unreadable.append(
-                    CheckOutcome(self.registry.message(row, decode=False), ERROR, error, 0.0)
+                    CheckOutcome(
+                        self.registry.message(row, decode=False, final=final), ERROR, error, 0.0
+                    )
                 )
         self._unreadable += self.calls.start(messages)
         return len(rows)
@@ -195,12 +199,11 @@ class CheckbackRunner(Stoppable):
                 outcome.answer,
                 outcome.error,
                 self.config.delay_after(outcome.message.checks + 1),
+                outcome.message.final,
             )
             for outcome in outcomes
         ]
-        recorded = self.store.record_checks(
-            engine, self.owner, records, self.config.max_checks, self.config.end_status
-        )
+        recorded = self.store.record_checks(engine, self.owner, records, self.config.max_checks)
         self._observe(outcomes, recorded)
 
     def _groups_to_check(self) -> list[str]:

@@ -27,7 +27,8 @@ otherwise it writes the id itself, marked *abandoned*, and commits that before a
 ROLLBACK: from then on the step's :meth:`~StepLog.record` fails
 (:class:`StepAbandoned`), so the step can no longer happen. While the step's
 transaction is still open (its row written, not committed), the checker's write waits for it
-at most ``lock_timeout`` and answers UNKNOWN: it is asked again later.
+at most ``lock_timeout`` and raises :class:`StepInProgress` (a failed check): it is asked
+again later.
 """
 
 from __future__ import annotations
@@ -126,12 +127,14 @@ class StepLog:
     ) -> Answer:
         """The checker's answer for ``message``: COMMIT when its step recorded it; else, once
         the message is ``abandon_after`` old, ROLLBACK after recording it abandoned (so that
-        the step can never record it); UNKNOWN before that. While the step's transaction
-        holds the id (waited for at most ``lock_timeout``) it raises :class:`StepInProgress`:
-        a failed check, which never ends the message rolled back."""
+        the step can never record it); UNKNOWN before that. A check that must decide
+        (:attr:`~outbox.prepared.CheckMessage.final`: the last one under ``--on-max-checks
+        rollback``, an operator's rollback) abandons whatever the message's age. While the
+        step's transaction holds the id (waited for at most ``lock_timeout``) it raises
+        :class:`StepInProgress`: a failed check, which never ends the message rolled back."""
         if lock_timeout <= timedelta(0):
             raise ConfigError("lock_timeout must be positive")
-        if message.age < abandon_after:
+        if message.age < abandon_after and not message.final:
             with engine.connect() as conn:
                 done = conn.execute(self._outcome(message.id)).scalar()
             return COMMIT if done == DONE else UNKNOWN

@@ -54,12 +54,15 @@ _INSERTED_COLUMNS = (
 @dataclass(frozen=True)
 class CheckRecord:
     """One check to record: the message, the answer (``commit``, ``rollback``, ``unknown``,
-    ``error`` or ``timeout``), its error, and the seconds until the next check."""
+    ``error`` or ``timeout``), its error, and the seconds until the next check. ``final``: the
+    last check, asked to decide (``--on-max-checks rollback``): its ROLLBACK ends the message
+    rolled back by ``expired``."""
 
     id: uuid.UUID
     answer: str
     error: str | None
     delay: float
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,27 +134,44 @@ class PreparedStore:
         """Make prepared messages pending, in the order they were prepared (their UUIDv7 ids),
         and wake a sleeping relay at commit. Returns how many were prepared.
 
-        ``after_rollback``: commit messages that check-back rolled back instead (by a
-        checker's ROLLBACK or at ``max_checks``; never one its producer or an operator rolled
-        back): the operator knows the step happened after all."""
+        ``after_rollback``: commit messages that check-back or an operator rolled back
+        instead (never one its producer rolled back, nor one whose idempotency key another
+        message took since the rollback): the step happened after all. They take their keys
+        back."""
         ordered = sorted(set(ids))
         if not ordered:
             return 0
         # One statement per id, sent as one batch: each takes its new seq in this order.
         params = [{"id": message_id, "by": by} for message_id in ordered]
         query = "commit_rolled_back" if after_rollback else "commit_prepared"
-        count = int(conn.execute(self.queries[query], params).rowcount)
+        try:
+            count = int(conn.execute(self.queries[query], params).rowcount)
+        except exc.IntegrityError as error:
+            if not after_rollback or self.spec.idempotency_index not in str(error.orig):
+                raise
+            # A retry wrote the key between the look for it and the commit's taking it back.
+            raise OutboxError(
+                "a message with the idempotency key of a message being committed after its "
+                "rollback was written at the same moment: nothing was committed; see which "
+                "holds the key now (outbox prepared show ID)"
+            ) from error
         if count:
             wake_relays(conn, self.queries)
         return count
 
-    def rollback(self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str) -> int:
-        """Roll prepared messages back for good. Returns how many were prepared."""
+    def rollback(
+        self, conn: sa.Connection, ids: Iterable[uuid.UUID], by: str, *, checked: bool = False
+    ) -> int:
+        """Roll prepared messages back for good. Returns how many were prepared.
+
+        ``checked``: their checker, asked just now, answered ROLLBACK (an operator's
+        rollback through it): that check is recorded with the rollback."""
         wanted = list(set(ids))
         if not wanted:
             return 0
         params = {"ids": wanted, "by": by}
-        return int(conn.execute(self.queries["rollback_prepared"], params).rowcount)
+        query = "rollback_checked" if checked else "rollback_prepared"
+        return int(conn.execute(self.queries[query], params).rowcount)
 
     def statuses(
         self, conn: sa.Connection, ids: Collection[uuid.UUID]
@@ -159,6 +179,14 @@ class PreparedStore:
         """Where the given messages stand (``status``, ``error_kind``, ``prepared_at``,
         ``resolved_by``); an id with no row is absent."""
         rows = conn.execute(self.queries["prepared_statuses"], {"ids": list(ids)}).mappings()
+        return {row["id"]: row for row in rows}
+
+    def rolled_back_statuses(
+        self, conn: sa.Connection, ids: Collection[uuid.UUID]
+    ) -> dict[uuid.UUID, sa.RowMapping]:
+        """:meth:`statuses`, with the idempotency key each rollback gave up
+        (``released_idempotency_key``) and the message holding it now (``key_holder``)."""
+        rows = conn.execute(self.queries["rolled_back_statuses"], {"ids": list(ids)}).mappings()
         return {row["id"]: row for row in rows}
 
     # -- the check-back runner's side ---------------------------------------------------------
@@ -187,15 +215,15 @@ class PreparedStore:
         owner: str,
         checks: Sequence[CheckRecord],
         max_checks: int,
-        end_status: str,
     ) -> Recorded:
         """Record a round of checks and act on the answers, in one transaction: COMMIT and
-        ROLLBACK decide the message; after ``max_checks`` checks without a verdict it ends in
-        ``end_status``. Only rows ``owner`` still holds are touched."""
+        ROLLBACK decide the message (a ROLLBACK to a ``final`` check ends it ``expired``);
+        after ``max_checks`` checks without a verdict it ends dead, for an operator. Only rows
+        ``owner`` still holds are touched."""
         if not checks:
             return Recorded(frozenset(), (), (), ())
         try:
-            return self._record(engine, owner, checks, max_checks, end_status)
+            return self._record(engine, owner, checks, max_checks)
         except exc.DataError:
             if len(checks) == 1:
                 raise
@@ -203,7 +231,7 @@ class PreparedStore:
         parts: list[Recorded] = []
         for check in checks:
             try:
-                parts.append(self._record(engine, owner, [check], max_checks, end_status))
+                parts.append(self._record(engine, owner, [check], max_checks))
             except exc.DataError as error:
                 log.error(
                     "could not record a check: the message is checked again after its lease",
@@ -222,7 +250,6 @@ class PreparedStore:
         owner: str,
         checks: Sequence[CheckRecord],
         max_checks: int,
-        end_status: str,
     ) -> Recorded:
         params = {
             "owner": owner,
@@ -236,17 +263,21 @@ class PreparedStore:
             recorded = frozenset(row.id for row in rows)
             held = [c for c in checks if c.id in recorded]
             committed = tuple(c.id for c in held if c.answer == COMMIT)
-            rolled_back = tuple(c.id for c in held if c.answer == ROLLBACK)
+            rolled_back = tuple(c.id for c in held if c.answer == ROLLBACK and not c.final)
+            # The last check, asked to decide, blocked the step: check-back gives up on the
+            # message by rolling it back.
+            given_up = tuple(c.id for c in held if c.answer == ROLLBACK and c.final)
             undecided = [c.id for c in held if c.answer not in (COMMIT, ROLLBACK)]
             self.commit(conn, committed, CHECK)
             self.rollback(conn, rolled_back, CHECK)
-            expired: tuple[tuple[uuid.UUID, str], ...] = ()
+            self.rollback(conn, given_up, EXPIRED)
+            expired = tuple((message_id, ROLLED_BACK) for message_id in given_up)
             if undecided:
-                expired = tuple(
+                expired += tuple(
                     (row.id, row.status)
                     for row in conn.execute(
                         self.queries["expire_prepared"],
-                        {"ids": undecided, "max_checks": max_checks, "end_status": end_status},
+                        {"ids": undecided, "max_checks": max_checks},
                     )
                 )
         return Recorded(recorded, committed, rolled_back, expired)
@@ -271,6 +302,8 @@ class PreparedStore:
                 f"table {name} predates revision 0007_check_failures (failed checks counted "
                 "apart): run `outbox db upgrade`"
             )
+        if not found.keeps_released_keys:
+            return _lacks_released_keys(self.spec)
         if not found.allowed:
             return (
                 f"role {found.role} needs SELECT and UPDATE on {name} (docs/prepared-messages.md)"
@@ -297,10 +330,26 @@ class PreparedStore:
         }
         return list(conn.execute(self.queries["select_unresolved"], params).mappings())
 
+    def unblocked_rollbacks(
+        self,
+        conn: sa.Connection,
+        *,
+        topic: str | None = None,
+        check_group: str | None = None,
+        limit: int | None = None,
+    ) -> list[sa.RowMapping]:
+        """Rolled-back messages whose step nothing blocked before the rollback (it may have
+        happened), newest first: check-back gave them up after UNKNOWN answers before it asked
+        the last check to decide, or an operator rolled them back without a check."""
+        params = {"topic": topic, "check_group": check_group, "limit": limit}
+        return list(conn.execute(self.queries["select_unblocked_rollbacks"], params).mappings())
+
     def _translated(self, error: exc.ProgrammingError) -> OutboxError | None:
         translated = translate_table_error(error, self.spec)
-        if translated is None and sqlstate_of(error) == "42703":
-            translated = OutboxError(_too_old(self.spec))  # undefined_column: not upgraded
+        if translated is None and sqlstate_of(error) == "42703":  # undefined_column
+            if "released_idempotency_key" in str(error.orig):
+                return OutboxError(_lacks_released_keys(self.spec))
+            translated = OutboxError(_too_old(self.spec))
         return translated
 
 
@@ -311,6 +360,13 @@ def stored_text(text: str | None) -> str | None:
     if text is None:
         return None
     return mask_secrets(text.replace("\x00", "\\x00"))[:MAX_STORED_TEXT]
+
+
+def _lacks_released_keys(spec: OutboxTableSpec) -> str:
+    return (
+        f"table {spec.qualified_name} predates revision 0011_released_idempotency_keys "
+        "(a rollback keeps the idempotency key it gives up): run `outbox db upgrade`"
+    )
 
 
 def _too_old(spec: OutboxTableSpec) -> str:

@@ -410,23 +410,46 @@ UPDATE {table}
    AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
 
 -- name: commit_rolled_back
--- An operator commits a message that check-back rolled back (by a checker's ROLLBACK or at
--- max_checks), not its producer: the step happened after all. As commit_prepared; the
--- idempotency key given up at the rollback stays given up (another message may hold it).
-UPDATE {table}
-   SET status = CASE WHEN deliver_at > now() THEN 'scheduled' ELSE 'pending' END,
+-- Commit a message that check-back or an operator rolled back (never one its producer did):
+-- the step happened after all. As commit_prepared, and it takes back the idempotency key it
+-- gave up at the rollback; one whose key another message took since (a retry, which stands
+-- for the same event) is left rolled back. Messages rolled back before revision 0011 kept no
+-- key: nothing tells.
+UPDATE {table} AS o
+   SET status = CASE WHEN o.deliver_at > now() THEN 'scheduled' ELSE 'pending' END,
        seq = DEFAULT, created_at = now(), resolved_at = now(),
        resolved_by = :by, next_check_at = NULL, lease_owner = NULL, lease_until = NULL,
-       attempts = 0, next_attempt_at = NULL, error_kind = NULL, last_error = NULL
- WHERE id = :id AND status = 'rolled_back' AND resolved_by IN ('check', 'expired');
+       attempts = 0, next_attempt_at = NULL, error_kind = NULL, last_error = NULL,
+       idempotency_key = o.released_idempotency_key, released_idempotency_key = NULL
+ WHERE o.id = :id AND o.status = 'rolled_back'
+   AND o.resolved_by IN ('check', 'expired', 'operator')
+   AND (o.released_idempotency_key IS NULL
+        OR NOT EXISTS (SELECT 1 FROM {table} AS taken
+                        WHERE taken.idempotency_key = o.released_idempotency_key));
 
 -- name: rollback_prepared
 -- Roll prepared messages back, for good: they are never published. :by says who decided.
 -- The idempotency key is given up: a rolled-back message stands for a step that did not
 -- happen, so a later message with the same key (a retry) must not be taken for its duplicate.
+-- released_idempotency_key keeps it, for a commit after the rollback. One check-back left dead
+-- loses its 'unresolved' error_kind: it is decided now.
 UPDATE {table}
    SET status = 'rolled_back', resolved_at = now(), resolved_by = :by, next_check_at = NULL,
-       lease_owner = NULL, lease_until = NULL, idempotency_key = NULL
+       lease_owner = NULL, lease_until = NULL, error_kind = NULL,
+       released_idempotency_key = idempotency_key, idempotency_key = NULL
+ WHERE id = ANY(CAST(:ids AS uuid[]))
+   AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
+
+-- name: rollback_checked
+-- An operator's rollback of messages whose checker, asked just now, answered ROLLBACK (it
+-- made sure the step can no longer happen): as rollback_prepared, and that check is recorded
+-- (count, time, answer), so the row shows its step was blocked before the rollback.
+UPDATE {table}
+   SET status = 'rolled_back', resolved_at = now(), resolved_by = :by, next_check_at = NULL,
+       lease_owner = NULL, lease_until = NULL, error_kind = NULL,
+       released_idempotency_key = idempotency_key, idempotency_key = NULL,
+       check_count = check_count + 1, last_checked_at = now(),
+       last_check_answer = 'rollback', last_check_error = NULL
  WHERE id = ANY(CAST(:ids AS uuid[]))
    AND (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'));
 
@@ -442,6 +465,16 @@ SELECT pg_notify(:channel, '')
 SELECT id, status, error_kind, prepared_at, resolved_by
   FROM {table}
  WHERE id = ANY(CAST(:ids AS uuid[]));
+
+-- name: rolled_back_statuses
+-- prepared_statuses, and for a commit after a rollback that changed nothing: the idempotency
+-- key the rollback gave up, and the message that holds it now (a retry), if any.
+SELECT o.id, o.status, o.error_kind, o.prepared_at, o.resolved_by,
+       o.released_idempotency_key,
+       (SELECT taken.id FROM {table} AS taken
+         WHERE taken.idempotency_key = o.released_idempotency_key LIMIT 1) AS key_holder
+  FROM {table} AS o
+ WHERE o.id = ANY(CAST(:ids AS uuid[]));
 
 -- name: claim_due_checks
 -- Check-back: take up to :limit prepared rows of the checkers :groups whose check is due,
@@ -488,23 +521,14 @@ UPDATE {table} AS o
 RETURNING o.id, o.check_count;
 
 -- name: expire_prepared
--- Check-back gives up on prepared rows that had :max_checks checks without a verdict. They
--- end rolled back (:end_status 'rolled_back') only when every check answered UNKNOWN: a
--- check that failed (the checker raised or timed out) says nothing about the step, so a row
--- with one ends dead for an operator, as every row does with :end_status 'dead'. A dead one
--- may still be committed or rolled back; a rolled-back one gives up its idempotency key, as
--- rollback_prepared does. Returns the rows it ended and how.
+-- Check-back gives up on prepared rows that had :max_checks checks without a verdict: they
+-- end dead for an operator (error_kind 'unresolved'), who may still commit or roll them back.
+-- Nothing ends rolled back here: with --on-max-checks rollback the last check was asked to
+-- decide, and only its ROLLBACK (the step blocked) rolled a message back, before this.
+-- Returns the rows it ended and how.
 UPDATE {table}
-   SET status = CASE WHEN CAST(:end_status AS text) = 'rolled_back' AND check_failures = 0
-                     THEN 'rolled_back' ELSE 'dead' END,
+   SET status = 'dead',
        next_check_at = NULL,
-       idempotency_key = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
-                               AND check_failures = 0 THEN NULL
-                              ELSE idempotency_key END,
-       resolved_at = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
-                           AND check_failures = 0 THEN now() END,
-       resolved_by = CASE WHEN CAST(:end_status AS text) = 'rolled_back'
-                           AND check_failures = 0 THEN 'expired' END,
        error_kind = 'unresolved',
        last_error = 'no verdict after ' || check_count || ' checks ('
                     || check_failures || ' failed; last answer: '
@@ -515,8 +539,9 @@ RETURNING id, status;
 
 -- name: checkback_access
 -- What a check-back runner needs of the table :name: that it exists, has the columns of
--- revision 0004 (prepared) and 0007 (upgraded), and that the role may SELECT and UPDATE it
--- (one privilege per call: given a list, PostgreSQL answers true when any one is held).
+-- revision 0004 (prepared), 0007 (upgraded) and 0011 (keeps_released_keys), and that the
+-- role may SELECT and UPDATE it (one privilege per call: given a list, PostgreSQL answers
+-- true when any one is held).
 SELECT t.oid IS NOT NULL AS table_exists,
        EXISTS (SELECT 1 FROM pg_attribute
                 WHERE attrelid = t.oid AND attname = 'check_group' AND NOT attisdropped)
@@ -524,6 +549,10 @@ SELECT t.oid IS NOT NULL AS table_exists,
        EXISTS (SELECT 1 FROM pg_attribute
                 WHERE attrelid = t.oid AND attname = 'check_failures' AND NOT attisdropped)
            AS upgraded,
+       EXISTS (SELECT 1 FROM pg_attribute
+                WHERE attrelid = t.oid AND attname = 'released_idempotency_key'
+                  AND NOT attisdropped)
+           AS keeps_released_keys,
        t.oid IS NOT NULL AND has_table_privilege(t.oid, 'SELECT')
            AND has_table_privilege(t.oid, 'UPDATE') AS allowed,
        current_user AS role
@@ -539,15 +568,34 @@ SELECT check_group, count(*) AS prepared,
 
 -- name: select_unresolved
 -- Messages waiting for a verdict (prepared, or left dead by check-back), oldest first: the
--- given ids, one topic's, one check group's, or all, up to :limit.
+-- given ids, one topic's, one check group's, or all, up to :limit. With what a checker gets
+-- of them (an operator's rollback asks it).
 SELECT id, topic, key, check_group, status, prepared_at, check_count, check_failures,
-       last_checked_at, last_check_answer, next_check_at
+       last_checked_at, last_check_answer, next_check_at, value, content_type,
+       header_names, header_values, extract(epoch FROM now() - prepared_at) AS age_seconds
   FROM {table}
  WHERE (status = 'prepared' OR (status = 'dead' AND error_kind = 'unresolved'))
    AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
    AND (CAST(:topic AS text) IS NULL OR topic = :topic)
    AND (CAST(:check_group AS text) IS NULL OR check_group = :check_group)
  ORDER BY prepared_at, id
+ LIMIT :limit;
+
+-- name: select_unblocked_rollbacks
+-- Rolled-back messages whose step nothing blocked before the rollback, so it may have
+-- happened: check-back gave up on them at max checks after UNKNOWN answers (as it did before
+-- it asked the last check to decide), or an operator rolled them back without a check
+-- (--step-cannot-happen). A checker's ROLLBACK, which blocks the step, is recorded as the last
+-- answer; a producer's rollback says the step did not happen. Newest first, up to :limit.
+-- Reads every row (no index holds rolled-back ones): an operator's look, not a loop's.
+SELECT id, topic, key, check_group, status, prepared_at, resolved_at, resolved_by,
+       check_count, check_failures, last_check_answer
+  FROM {table}
+ WHERE status = 'rolled_back' AND resolved_by IN ('expired', 'operator')
+   AND last_check_answer IS DISTINCT FROM 'rollback'
+   AND (CAST(:topic AS text) IS NULL OR topic = :topic)
+   AND (CAST(:check_group AS text) IS NULL OR check_group = :check_group)
+ ORDER BY resolved_at DESC, id
  LIMIT :limit;
 
 -- Scheduled messages (docs/scheduled.md). A scheduled row has status 'scheduled' and a

@@ -34,9 +34,10 @@ from outbox.devstack import StackError
 from outbox.devstack.browser import HEADLESS_FLAGS, Chromium, chromium
 from outbox.devstack.topics import create_topics
 from outbox.inbox.schema import InboxTableSpec
-from outbox.prepared import PreparedMessages
+from outbox.prepared import PreparedMessages, StepAbandoned
 from outbox.queries import Queries
 from outbox.schema import SHARD_COUNT, OutboxTableSpec
+from tests import prepared_app
 from tests.conftest import server_unavailable
 from tests.inbox_app import make_inbox
 from tests.inbox_helpers import consumer_config, prepare_database, produce, running_consumer
@@ -122,6 +123,18 @@ def note(driver: Any) -> str:
 
     found = until(driver, lambda d: d.find_element(By.CSS_SELECTOR, "p.note"), "the note")
     return str(found.text)
+
+
+def acted(driver: Any, button: Any) -> str:
+    """Click an action's button; the note of the page it leads back to, not the one of the
+    page it was on (which is still there as the click returns)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.expected_conditions import staleness_of
+
+    page = driver.find_element(By.TAG_NAME, "html")
+    button.click()
+    until(driver, staleness_of(page), "the page the action leads back to")
+    return note(driver)
 
 
 def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
@@ -257,7 +270,7 @@ def test_a_parked_message_is_retried_and_applied(  # type: ignore[no-untyped-def
         engine.dispose()
 
 
-def test_a_prepared_message_is_committed_and_another_rolled_back(  # type: ignore[no-untyped-def]
+def test_a_prepared_message_is_committed_and_another_rolled_back_only_on_the_operators_word(  # type: ignore[no-untyped-def]
     outbox_url, engine, bootstrap_servers, make_topic, browser
 ) -> None:
     from selenium.webdriver.common.by import By
@@ -270,6 +283,13 @@ def test_a_prepared_message_is_committed_and_another_rolled_back(  # type: ignor
     def status(message_id: uuid.UUID) -> str:
         return str(scalar(engine, "SELECT status FROM outbox WHERE id = :i", i=message_id))
 
+    # What `outbox prepared rollback ID` says without --checker or --step-cannot-happen.
+    by_hand = CliRunner().invoke(
+        main, ["prepared", "rollback", str(dropped), "--database-url", outbox_url]
+    )
+    assert by_hand.exit_code == 1 and by_hand.output.startswith("Error: ")
+    refusal = by_hand.output.removeprefix("Error: ").strip()
+    assert "its step may still commit" in refusal
     with running_relay(relay_config(outbox_url, bootstrap_servers)), serving(outbox_url) as base:
         log_in(browser, base, "/prepared")
         rows = browser.find_elements(By.CSS_SELECTOR, "#prepared tbody tr")
@@ -278,13 +298,168 @@ def test_a_prepared_message_is_committed_and_another_rolled_back(  # type: ignor
         assert note(browser) == f"committed {kept}: the relay publishes it"
         rows = browser.find_elements(By.CSS_SELECTOR, "#prepared tbody tr")
         assert len(rows) == 1
-        rows[0].find_element(By.CSS_SELECTOR, "button.rollback").click()
-        assert note(browser) == f"rolled back {dropped}"
+        # Without a checker and without the operator's word, the rollback is refused, as the
+        # command refuses it.
+        assert acted(browser, rows[0].find_element(By.CSS_SELECTOR, "button.rollback")) == (
+            f"nothing done: {refusal}"
+        )
+        assert status(dropped) == "prepared"
+        rows = browser.find_elements(By.CSS_SELECTOR, "#prepared tbody tr")
+        box = rows[0].find_element(By.CSS_SELECTOR, "input[name='step_cannot_happen']")
+        box.click()
+        assert box.is_selected()
+        assert acted(browser, rows[0].find_element(By.CSS_SELECTOR, "button.rollback")) == (
+            f"rolled back {dropped} on your word that its step cannot happen "
+            "(`outbox prepared list --unblocked` lists it)"
+        )
         assert browser.find_element(By.ID, "no-prepared").is_displayed()
         wait_for(lambda: status(kept) == "sent", 30, "the committed message to be sent")
         assert status(dropped) == "rolled_back"
-        resolved = scalar(engine, "SELECT resolved_by FROM outbox WHERE id = :i", i=kept)
-        assert resolved == "operator"
+        for message_id in (kept, dropped):
+            resolved = scalar(engine, "SELECT resolved_by FROM outbox WHERE id = :i", i=message_id)
+            assert resolved == "operator"
+    unblocked = ["prepared", "list", "--unblocked", "--database-url", outbox_url]
+    assert str(dropped) in CliRunner().invoke(main, unblocked).output
+
+
+@pytest.fixture
+def orders_url(database_url: str) -> Iterator[str]:
+    """The order service's database (tests.prepared_app), which its checkers read."""
+    prepared_app.create_orders_table(database_url).dispose()
+    yield database_url
+
+
+@contextmanager
+def command_serving(outbox_url: str, *options: str, **env: str) -> Iterator[tuple[str, str]]:
+    """``outbox dashboard`` in a process of its own, started from the project's directory
+    with the token and ``options``: its address and the mode it printed."""
+    environment = {
+        **os.environ, "OUTBOX_DATABASE_URL": outbox_url, "OUTBOX_DASHBOARD_TOKEN": TOKEN, **env
+    }  # fmt: skip
+    command = [sys.executable, "-m", "outbox.cli", "dashboard", "--port", "0", *options]
+    with subprocess.Popen(
+        command, env=environment, cwd=ROOT, stdout=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().strip()
+            found = re.fullmatch(r"outbox dashboard on http://(127\.0\.0\.1:\d+)/ \((.+)\)", line)
+            assert found is not None, line
+            yield f"http://{found.group(1)}", found.group(2)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(30)
+    assert code == 0
+
+
+def test_a_dashboard_with_the_checkers_rolls_back_what_its_checker_blocked_and_says_why_not(  # type: ignore[no-untyped-def]
+    outbox_url, engine, orders_url, browser
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    orders = sa.create_engine(orders_url)
+    prepared = PreparedMessages(Outbox(engine), group=prepared_app.GROUP, check_after=3600)
+
+    def order_message(order_id: int) -> uuid.UUID:
+        body = {"type": "OrderCreated", "order_id": order_id}
+        return prepared.prepare("orders", body, key=order_id).message_id
+
+    abandoned, placed, running = order_message(901), order_message(902), order_message(903)
+    prepared_app.place_order(orders, 902, placed)  # this step happened: no rollback
+
+    def status(message_id: uuid.UUID) -> str:
+        return str(scalar(engine, "SELECT status FROM outbox WHERE id = :i", i=message_id))
+
+    def roll_back(message_id: uuid.UUID) -> str:
+        browser.get(f"{base}/message?{urlencode({'id': message_id})}")
+        form = browser.find_element(By.CSS_SELECTOR, "form[action='/prepared/rollback']")
+        # Nothing to tick: the checker decides, not the operator.
+        assert form.find_elements(By.CSS_SELECTOR, "input[type='checkbox']") == []
+        form.find_element(By.CSS_SELECTOR, "button.rollback").click()
+        return note(browser)
+
+    try:
+        with command_serving(
+            outbox_url,
+            "--checker",
+            "tests.prepared_app:registry",
+            ORDERS_DATABASE_URL=orders_url,
+        ) as (base, mode):
+            assert mode == "actions need the token; rollbacks ask tests.prepared_app:registry"
+            log_in(browser, base, "/prepared")
+            rules = browser.find_element(By.TAG_NAME, "main").text
+            assert "Roll back asks the message's checker to decide" in rules
+            assert browser.find_elements(By.CSS_SELECTOR, "input[name='step_cannot_happen']") == []
+            assert roll_back(abandoned) == (
+                f"rolled back {abandoned}: its checker blocked the step (ROLLBACK)"
+            )
+            assert roll_back(placed) == (
+                f"{placed} was not rolled back: its checker answers COMMIT: the step happened "
+                f"(check-back commits it, or `outbox prepared commit {placed}`)"
+            )
+            with orders.begin() as step:  # the step of order 903, its transaction still open
+                prepared_app.STEPS.record(step, running)
+                refused = roll_back(running)
+            assert refused.startswith(
+                f"{running} was not rolled back: its checker failed (StepInProgress"
+            )
+            # A forged box does not bypass the checkers.
+            with httpx.Client(base_url=base) as client:
+                client.post("/login", data={"token": TOKEN})
+                csrf = re.search(r'name="csrf" value="([^"]+)"', client.get("/prepared").text)
+                assert csrf is not None
+                forged = client.post(
+                    "/prepared/rollback",
+                    data={"id": str(running), "step_cannot_happen": "1", "csrf": csrf.group(1)},
+                    headers={"Origin": base},
+                    follow_redirects=True,
+                )
+                both = "roll back through the checkers or say the steps cannot happen, not both"
+                assert f"nothing done: {both}" in forged.text
+        assert (status(abandoned), status(placed), status(running)) == (
+            "rolled_back",
+            "prepared",
+            "prepared",
+        )
+        stored = scalar(engine, "SELECT last_check_answer FROM outbox WHERE id = :i", i=abandoned)
+        assert stored == "rollback"
+        # Its producer's step comes now: the checker blocked it before the rollback.
+        with pytest.raises(StepAbandoned):
+            prepared_app.place_order(orders, 901, abandoned)
+        assert not prepared_app.order_exists(orders, 901)
+    finally:
+        orders.dispose()
+
+
+def test_what_an_operator_rolled_back_is_committed_after_all_unless_a_retry_took_its_key(  # type: ignore[no-untyped-def]
+    outbox_url, engine, browser
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from outbox.prepared.decisions import decide
+    from outbox.prepared.store import PreparedStore
+
+    prepared = PreparedMessages(Outbox(engine), group="payments", check_after=3600)
+    wrong = prepared.prepare("orders", {"charge": 3}, idempotency_key="charge-3").message_id
+    retried = prepared.prepare("orders", {"charge": 4}, idempotency_key="charge-4").message_id
+    with engine.begin() as conn:  # `outbox prepared rollback --step-cannot-happen`
+        store = PreparedStore(OutboxTableSpec())
+        decide(conn, store, commit=False, ids=[wrong, retried], step_cannot_happen=True)
+    with Outbox(engine).transaction() as tx:  # the retry of charge 4, published
+        holder = tx.publish("orders", {"charge": 4}, idempotency_key="charge-4").message_id
+    with serving(outbox_url) as base:
+        log_in(browser, base)
+        browser.get(f"{base}/message?{urlencode({'id': retried})}")
+        assert "An operator rolled it back" in browser.find_element(By.TAG_NAME, "main").text
+        browser.find_element(By.CSS_SELECTOR, "button.commit").click()
+        refused = note(browser)
+        assert refused.startswith(f"{retried} was not committed: message {retried} gave its")
+        assert f"message {holder} took it since" in refused
+        browser.get(f"{base}/message?{urlencode({'id': wrong})}")
+        browser.find_element(By.CSS_SELECTOR, "button.commit").click()
+        assert note(browser) == f"committed {wrong}: the relay publishes it"
+    assert scalar(engine, "SELECT status FROM outbox WHERE id = :i", i=wrong) == "pending"
+    assert scalar(engine, "SELECT status FROM outbox WHERE id = :i", i=retried) == "rolled_back"
 
 
 def seed_every_kind(url: str, engine: sa.Engine) -> dict[str, Any]:
@@ -328,7 +503,8 @@ def test_every_action_refuses_without_the_token(outbox_url, engine, browser) -> 
         "/dead/retry": {"id": str(seeded["dead"])},
         "/parked/retry": {"id": str(seeded["parked"])},
         "/prepared/commit": {"id": str(seeded["prepared"])},
-        "/prepared/rollback": {"id": str(seeded["prepared"])},
+        # Ticked: let through, it would roll the message back.
+        "/prepared/rollback": {"id": str(seeded["prepared"]), "step_cannot_happen": "1"},
     }
     with serving(outbox_url) as base:
         # Not logged in: the pages show no action at all.

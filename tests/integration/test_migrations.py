@@ -289,7 +289,7 @@ def test_downgrade_past_0004_refuses_messages_without_a_verdict(database_url: st
             )
         with pytest.raises(Exception, match="left dead without a verdict"):
             migrate.downgrade(database_url, revision="0003_wake_trigger")
-        assert migrate_current(engine) == "0010_scheduled_messages"  # nothing came down
+        assert migrate_current(engine) == "0011_released_idempotency_keys"  # nothing came down
         with engine.connect() as conn:  # (the lease index with it)
             assert conn.execute(sa.text("SELECT to_regclass('outbox_lease_idx')")).scalar()
     finally:

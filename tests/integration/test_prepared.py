@@ -234,10 +234,11 @@ def test_a_rolled_back_message_gives_its_idempotency_key_up(engine, outbox_url) 
     assert retried.message_id != first.message_id
     assert status_of(engine, retried.message_id) == "pending"
     assert row(engine, first.message_id)["idempotency_key"] is None
-    # Rolled back by check-back at max checks: the key is free again too.
+    # Rolled back by check-back at max checks (its last check blocked the step): the key is
+    # free again too.
     given_up = prepared.prepare("orders", {"order": 8}, idempotency_key="order-8-created")
     registry = CheckRegistry()
-    registry.add_checker(answers(UNKNOWN), "orders")
+    registry.add_checker(lambda message: ROLLBACK if message.final else UNKNOWN, "orders")
     with running_checkback(
         registry, fast_config(outbox_url, max_checks=1, on_max_checks="rollback")
     ):
@@ -592,19 +593,23 @@ def test_max_checks_ends_a_message_as_configured(
     prepared = PreparedMessages(Outbox(engine), check_after=0)
     message = prepared.prepare(topic, {"n": 1}, group="never-sure")
     registry = CheckRegistry()
-    registry.add_checker(answers(UNKNOWN), "never-sure")
+    # UNKNOWN, unless the check must decide (the last one under --on-max-checks rollback):
+    # then it blocks the step, as StepLog does, and answers ROLLBACK.
+    registry.add_checker(lambda m: ROLLBACK if m.final else UNKNOWN, "never-sure")
     config = fast_config(outbox_url, max_checks=3, on_max_checks=mode)
     with running_checkback(registry, config) as runner:
         wait_for(lambda: status_of(engine, message.message_id) == end, 20, f"{end} after 3")
     stored = row(engine, message.message_id)
     assert stored["check_count"] == 3
+    assert counter(runner, "expired", "never-sure", end) == 1
+    if mode == "rollback":
+        assert (stored["resolved_by"], stored["last_check_answer"]) == ("expired", "rollback")
+        assert stored["error_kind"] is None
+        assert counter(runner, "checks", "never-sure", "unknown") == 2
+        return
     assert stored["error_kind"] == "unresolved"
     assert stored["last_error"] == "no verdict after 3 checks (0 failed; last answer: unknown)"
-    assert counter(runner, "expired", "never-sure", end) == 1
     assert counter(runner, "checks", "never-sure", "unknown") == 3
-    if mode == "rollback":
-        assert stored["resolved_by"] == "expired"
-        return
     # Dead for an operator: `outbox dead retry` leaves it alone (nobody knows whether its
     # step happened); `outbox prepared` lists it, and commit publishes it.
     url = ["--database-url", outbox_url]
@@ -761,7 +766,12 @@ def test_outbox_prepared_list_show_commit_and_rollback(engine, outbox_url) -> No
         "rolled back 0 prepared message(s)",
         "1 of the ids given were not waiting for a verdict (see outbox prepared show ID)",
     ]
-    assert cli("prepared", "rollback", "--group", "ops") == "rolled back 2 prepared message(s)\n"
+    # Their steps may still commit: refused, unless the operator says they cannot.
+    unsure = CliRunner().invoke(main, ["prepared", "rollback", "--group", "ops", *url])
+    assert unsure.exit_code == 1 and "its step may still commit" in unsure.output
+    assert status_of(engine, second.message_id) == "prepared"
+    forced = cli("prepared", "rollback", "--step-cannot-happen", "--group", "ops")
+    assert forced == "rolled back 2 prepared message(s)\n"
     assert [status_of(engine, p.message_id) for p in (first, second, third)] == [
         "pending",
         "rolled_back",
@@ -798,11 +808,12 @@ def test_checkback_refuses_a_table_without_revision_0004(database_url: str) -> N
 SERVICE_GRANTS = """
 GRANT USAGE ON SCHEMA public TO {role};
 GRANT INSERT ON public.outbox TO {role};
-GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by, deliver_at)
+GRANT SELECT (id, idempotency_key, status, error_kind, prepared_at, resolved_by, deliver_at,
+               released_idempotency_key)
    ON public.outbox TO {role};
 GRANT UPDATE (status, seq, created_at, resolved_at, resolved_by, next_check_at, lease_owner,
               lease_until, attempts, next_attempt_at, error_kind, last_error,
-              idempotency_key)
+              idempotency_key, released_idempotency_key)
    ON public.outbox TO {role};
 """
 #: ... and its check-back runner.
@@ -824,11 +835,14 @@ def test_the_documented_grants_are_enough(engine, login_role) -> None:  # type: 
         assert prepared.prepare("orders", {"n": 1}, idempotency_key="order-1").duplicate
         kept.commit()
         kept.commit()
-        dropped = prepared.prepare("orders", {"n": 2})
+        dropped = prepared.prepare("orders", {"n": 2}, idempotency_key="order-2")
         dropped.rollback()
         with pytest.raises(NotPrepared):
             dropped.commit()
+        with pytest.raises(NotPrepared, match="rolled back by its producer"):
+            prepared.commit(dropped.message_id, after_rollback=True)
         left = prepared.prepare("orders", {"n": 3})
+        undone = prepared.prepare("orders", {"n": 5}, idempotency_key="order-5", group="undone")
     finally:
         service.dispose()
     # Without UPDATE, the decision fails for good: a typed error, not "left to check-back".
@@ -843,8 +857,17 @@ def test_the_documented_grants_are_enough(engine, login_role) -> None:  # type: 
         insert_only.dispose()
     registry = CheckRegistry()
     registry.add_checker(answers(COMMIT), "orders")
+    registry.add_checker(answers(ROLLBACK), "undone")
     config = fast_config(urls["runner"])
     with running_checkback(registry, config):
         wait_for(lambda: status_of(engine, left.message_id) == "pending", 20, "checked")
+        wait_for(lambda: status_of(engine, undone.message_id) == "rolled_back", 20, "checked")
     assert status_of(engine, kept.message_id) == "pending"
     assert status_of(engine, dropped.message_id) == "rolled_back"
+    # The step happened after all: the service commits it after the rollback, key and all.
+    service = sa.create_engine(urls["service"])
+    try:
+        PreparedMessages(Outbox(service)).commit(undone.message_id, after_rollback=True)
+    finally:
+        service.dispose()
+    assert row(engine, undone.message_id)["idempotency_key"] == "order-5"

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -156,6 +157,17 @@ def test_answers_by_message_id_before_and_after_abandon_after(engine, orders) ->
     # Asked again, the same answers (an abandoned id stays abandoned).
     assert steps.answer(orders, message(unplaced.message_id, 600)) is ROLLBACK
     assert steps.answer(orders, message(placed.message_id, 600)) is COMMIT
+    # A check that must decide (the last under --on-max-checks rollback, an operator's
+    # rollback) abandons a young message all the same, and the step can no longer happen.
+    young_one = prepared.prepare("orders", {"order_id": 3})
+    decide = registry.message(
+        {**base.row(engine, young_one.message_id), "age_seconds": 1}, final=True
+    )
+    assert steps.answer(orders, decide, abandon_after=old) is ROLLBACK
+    with pytest.raises(StepAbandoned):
+        prepared_app.place_order(orders, 3, young_one.message_id)
+    placed_young = message(placed.message_id, 1)
+    assert steps.answer(orders, replace(placed_young, final=True), abandon_after=old) is COMMIT
 
 
 def test_a_bounded_step_fails_at_its_limit_instead_of_committing_late(

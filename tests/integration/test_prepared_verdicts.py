@@ -39,6 +39,7 @@ def test_failed_checks_never_end_a_message_rolled_back(engine, outbox_url) -> No
     prepared = PreparedMessages(Outbox(engine), check_after=0)
     outage = prepared.prepare("orders", {"n": 1}, group="outage")
     unsure = prepared.prepare("orders", {"n": 2}, group="unsure")
+    undecided = prepared.prepare("orders", {"n": 3}, group="undecided")
     release = threading.Event()
 
     def orders_database_down(message: CheckMessage) -> str:
@@ -48,29 +49,41 @@ def test_failed_checks_never_end_a_message_rolled_back(engine, outbox_url) -> No
             release.wait(30)  # past the check timeout: a timeout
         return UNKNOWN
 
+    def blocks_when_asked_to_decide(message: CheckMessage) -> str:
+        return ROLLBACK if message.final else UNKNOWN
+
     registry = CheckRegistry()
     registry.add_checker(orders_database_down, "outage")
-    registry.add_checker(base.answers(UNKNOWN), "unsure")
-    # Even where the group asks for a rollback at max_checks, only UNKNOWN answers earn one.
+    registry.add_checker(blocks_when_asked_to_decide, "unsure")
+    registry.add_checker(base.answers(UNKNOWN), "undecided")
+    # Even where the group asks for a rollback at max_checks, only a ROLLBACK to the last
+    # check (asked to decide: the checker blocked the step) earns one.
     config = base.fast_config(outbox_url, max_checks=3, on_max_checks="rollback", check_timeout=0.5)
     try:
         with base.running_checkback(registry, config) as runner:
             wait_for(lambda: base.status_of(engine, outage.message_id) == "dead", 30, "dead")
             wait_for(lambda: base.status_of(engine, unsure.message_id) != "prepared", 30, "ended")
+            wait_for(lambda: base.status_of(engine, undecided.message_id) == "dead", 30, "dead")
     finally:
         release.set()
     failed = base.row(engine, outage.message_id)
     assert (failed["check_count"], failed["check_failures"]) == (3, 2)
     assert failed["error_kind"] == "unresolved" and failed["resolved_by"] is None
     assert failed["last_error"] == "no verdict after 3 checks (2 failed; last answer: unknown)"
-    only_unknown = base.row(engine, unsure.message_id)
-    assert (only_unknown["status"], only_unknown["resolved_by"]) == ("rolled_back", "expired")
-    assert only_unknown["check_failures"] == 0
+    blocked = base.row(engine, unsure.message_id)
+    assert (blocked["status"], blocked["resolved_by"]) == ("rolled_back", "expired")
+    assert (blocked["check_count"], blocked["last_check_answer"]) == (3, "rollback")
+    assert blocked["error_kind"] is None
+    never_blocked = base.row(engine, undecided.message_id)
+    assert (never_blocked["status"], never_blocked["error_kind"]) == ("dead", "unresolved")
+    assert never_blocked["check_failures"] == 0
     assert base.counter(runner, "checks", "outage", "error") == 1
     assert base.counter(runner, "checks", "outage", "timeout") == 1
     assert base.counter(runner, "checks", "outage", "unknown") == 1
     assert base.counter(runner, "expired", "outage", "dead") == 1
     assert base.counter(runner, "expired", "unsure", "rolled_back") == 1
+    assert base.counter(runner, "resolved", "unsure", "rollback") == 0
+    assert base.counter(runner, "expired", "undecided", "dead") == 1
     listed = cli(outbox_url, "prepared", "list")
     assert f"{outage.message_id}" in listed.output and "checks=3  failed=2" in listed.output
 
@@ -133,6 +146,6 @@ def test_rollback_of_nothing_exits_non_zero(engine, outbox_url) -> None:  # type
     assert nothing.exit_code == 1 and nothing.output == "rolled back 0 prepared message(s)\n"
     prepared = PreparedMessages(Outbox(engine), group="ops")
     one = prepared.prepare("orders", {"n": 1})
-    done = cli(outbox_url, "prepared", "rollback", "--all")
+    done = cli(outbox_url, "prepared", "rollback", "--step-cannot-happen", "--all")
     assert done.exit_code == 0 and done.output == "rolled back 1 prepared message(s)\n"
     assert base.status_of(engine, one.message_id) == "rolled_back"

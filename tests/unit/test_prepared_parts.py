@@ -250,7 +250,7 @@ class StubStore:
     def __init__(self, rows: list[dict[str, Any]], fail_claims: int = 0) -> None:
         self.rows = rows
         self.fail_claims = fail_claims
-        self.recorded: list[tuple[str, list[CheckRecord], int, str]] = []
+        self.recorded: list[tuple[str, list[CheckRecord], int]] = []
 
     def claim_due(self, engine: Any, owner: str, groups: Any, limit: int, lease: float) -> Any:
         if self.fail_claims:
@@ -260,15 +260,15 @@ class StubStore:
         return [row for row in taken if row["check_group"] in groups]
 
     def record_checks(
-        self, engine: Any, owner: str, checks: list[CheckRecord], max_checks: int, end: str
+        self, engine: Any, owner: str, checks: list[CheckRecord], max_checks: int
     ) -> Recorded:
-        self.recorded.append((owner, list(checks), max_checks, end))
+        self.recorded.append((owner, list(checks), max_checks))
         ids = frozenset(c.id for c in checks)
         return Recorded(
             ids,
             tuple(c.id for c in checks if c.answer == "commit"),
             tuple(c.id for c in checks if c.answer == "rollback"),
-            tuple((c.id, end) for c in checks if c.answer not in ("commit", "rollback")),
+            tuple((c.id, "dead") for c in checks if c.answer not in ("commit", "rollback")),
         )
 
     def counts(self, engine: Any, groups: Any) -> dict[str, tuple[int, float]]:
@@ -300,8 +300,8 @@ def test_a_round_records_every_check_with_its_backoff() -> None:
     store = StubStore(rows)
     runner = stub_runner(store, concurrency=8, max_checks=5, on_max_checks="dead")
     assert runner.run_once(runner._engine) == 3  # type: ignore[arg-type]
-    owner, checks, max_checks, end = store.recorded[0]
-    assert owner == runner.owner and (max_checks, end) == (5, "dead")
+    owner, checks, max_checks = store.recorded[0]
+    assert owner == runner.owner and max_checks == 5
     assert [(c.answer, c.error) for c in checks] == [
         ("commit", None),
         ("unknown", None),
@@ -313,6 +313,30 @@ def test_a_round_records_every_check_with_its_backoff() -> None:
     assert runner.metrics.resolved.labels("orders", "commit")._value.get() == 2
     assert runner.metrics.expired.labels("orders", "dead")._value.get() == 1
     assert runner.run_once(runner._engine) == 0  # type: ignore[arg-type]
+
+
+def test_only_the_last_check_under_rollback_at_max_checks_is_asked_to_decide() -> None:
+    seen: dict[int, bool] = {}
+
+    def checker(message: CheckMessage) -> str:
+        seen[message.checks] = message.final
+        return UNKNOWN
+
+    registry = CheckRegistry()
+    registry.add_checker(checker, "orders")
+    rows = [claimed_row(check_count=n) for n in (0, 1, 2, 3)]
+    for end, finals in (("rollback", {0: False, 1: False, 2: True, 3: True}), ("dead", {})):
+        store, seen = StubStore([dict(row) for row in rows]), {}
+        settings = CheckbackConfig(
+            database_url=NOWHERE, concurrency=8, max_checks=3, on_max_checks=end
+        )
+        runner = CheckbackRunner(registry, settings, store=store, engine=ENGINE)  # type: ignore[arg-type]
+        assert runner.run_once(ENGINE) == 4
+        expected = finals or dict.fromkeys((0, 1, 2, 3), False)
+        assert seen == expected, end
+        assert {c.id: c.final for c in store.recorded[0][1]} == {
+            row["id"]: expected[row["check_count"]] for row in rows
+        }
 
 
 def test_the_loop_rides_out_a_database_outage_and_stops_when_asked() -> None:
@@ -476,7 +500,7 @@ def test_a_slow_checker_holds_only_its_own_slot() -> None:
     thread.start()
 
     def recorded(answer: str) -> int:
-        return sum(1 for _, checks, _, _ in store.recorded for c in checks if c.answer == answer)
+        return sum(1 for _, checks, _ in store.recorded for c in checks if c.answer == answer)
 
     try:
         deadline = time.monotonic() + 10  # far below the slow checker's 30 s
@@ -509,4 +533,4 @@ def test_stopping_records_the_checks_in_hand() -> None:
     runner.stop()
     release.set()
     thread.join(10)
-    assert [c.answer for _, checks, _, _ in store.recorded for c in checks] == ["commit"]
+    assert [c.answer for _, checks, _ in store.recorded for c in checks] == ["commit"]
