@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Generic, TypeVar
 
 from outbox.errors import OutboxError
+from outbox.traceback_text import error_line, split_error
 
 Id = TypeVar("Id")
 
@@ -61,6 +62,12 @@ def normalize(message: str | None) -> str:
     for pattern, placeholder in _REPLACEMENTS:
         text = pattern.sub(placeholder, text)
     return text[:MAX_PATTERN]
+
+
+def shown_pattern(message: str | None) -> str:
+    """The pattern shown for a cause: ``message``'s summary normalized (its traceback, when
+    it has one, counts for the fingerprint but is not shown)."""
+    return normalize(split_error((message or "").strip())[0])
 
 
 def fingerprint(kind: str, message: str | None) -> str:
@@ -116,7 +123,7 @@ def group_by_reason(rows: Iterable[FailedRow[Id]]) -> list[ReasonGroup[Id]]:
             group = groups[key] = ReasonGroup(
                 fingerprint=key,
                 kind=row.kind,
-                pattern=normalize(row.error),
+                pattern=shown_pattern(row.error),
                 example=(row.error or "").strip(),
                 first_seen=row.seen_at,
                 last_seen=row.seen_at,
@@ -175,6 +182,6 @@ def format_groups(groups: list[ReasonGroup[Id]], seen: str = "seen") -> list[str
             f"{g.last_seen.astimezone(UTC):%Y-%m-%d %H:%M:%S}  {g.kind}: {g.pattern[:160]}"
         )
         topics = ", ".join(sorted(g.topics)[:5]) + (" ..." if len(g.topics) > 5 else "")
-        example = g.example.splitlines()[-1:] or [""]
-        lines.append(f"{'':<{FINGERPRINT_LENGTH}}  topics: {topics}; latest: {example[0][:160]}")
+        latest = error_line(g.example)[:160]
+        lines.append(f"{'':<{FINGERPRINT_LENGTH}}  topics: {topics}; latest: {latest}")
     return lines

@@ -338,6 +338,8 @@ def parked_list(
 ) -> None:
     """List parked messages, newest first (or grouped by cause, the largest group first)."""
 
+    from outbox.inbox.error_text import error_line
+
     def run(engine: Any, store: Any) -> None:
         if by_reason:
             from outbox.failed_rows import parked_rows
@@ -353,10 +355,10 @@ def parked_list(
             rows = store.list_parked(conn, group, topic, limit)
         for row in rows:
             key = row.key.decode(errors="replace") if row.key is not None else "-"
-            error = (row.error or "").splitlines()[-1:] or [""]
             click.echo(
                 f"{row.id}  {row.consumer_group}  {row.topic}[{row.kafka_partition}]"
-                f"@{row.kafka_offset}  key={key}  {row.status}  {row.reason}: {error[0][:120]}"
+                f"@{row.kafka_offset}  key={key}  {row.status}  {row.reason}: "
+                f"{error_line(row.error)[:120]}"
             )
         click.echo(f"{len(rows)} parked message(s)")
 

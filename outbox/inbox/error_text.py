@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import traceback
 
+from outbox.traceback_text import TRACEBACK_HEADER, error_line, split_error
+
+__all__ = [
+    "MAX_ERROR_TEXT",
+    "TRACEBACK_HEADER",
+    "error_line",
+    "handler_error",
+    "short_error",
+    "split_error",
+]
+
 #: Longest error text kept for a record (a parked row's ``error``, a log line's).
 MAX_ERROR_TEXT = 4000
-
-#: What separates an error's summary from its traceback in :func:`handler_error`'s text.
-TRACEBACK_HEADER = "\nTraceback (most recent call last):\n"
 
 
 def short_error(exc: BaseException) -> str:
@@ -30,11 +38,3 @@ def handler_error(exc: BaseException) -> str:
     if len(frames) > room:
         frames = cut + frames[-room:]
     return f"{summary}{TRACEBACK_HEADER}{frames}".rstrip()
-
-
-def split_error(error: str) -> tuple[str, str | None]:
-    """``error`` as (summary, traceback): the traceback is None when there is none."""
-    summary, found, frames = error.partition(TRACEBACK_HEADER)
-    if not found:
-        return error, None
-    return summary, TRACEBACK_HEADER.lstrip("\n") + frames

@@ -1,11 +1,13 @@
 """A handler's error as it is parked: the traceback is cut to keep the whole text within
-MAX_ERROR_TEXT, so that the store's own cut never eats the innermost frame."""
+MAX_ERROR_TEXT, so that the store's own cut never eats the innermost frame; what a list shows
+of it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from outbox.inbox.apply import MAX_ERROR_TEXT, handler_error
+from outbox.traceback_text import error_line
 
 
 def deep_error(depth: int) -> BaseException:
@@ -28,3 +30,23 @@ def test_a_cut_traceback_stays_within_the_bound_and_keeps_the_innermost_frame() 
         assert len(text) <= MAX_ERROR_TEXT, (depth, len(text))
         assert text.startswith("KeyError: 'total'\nTraceback (most recent call last):\n  ...\n")
         assert text.endswith("line 2, in f0")  # the innermost frame, whole
+
+
+PARKED = (
+    "KeyError: 'customer_email'\n"
+    "Traceback (most recent call last):\n"
+    '  File "/srv/venv/lib/python3.11/site-packages/outbox/inbox/apply.py", line 360, in '
+    "apply_requeued\n"
+    "    await self._call(tx, [item] if batch else item)\n"
+    '  File "/srv/app/billing/handlers.py", line 12, in send_receipt\n'
+    '    payload["email"] = payload["customer_email"]\n'
+    "                       ~~~~~~~^^^^^^^^^^^^^^^^^^"
+)
+
+
+def test_the_error_line_is_the_exceptions_not_the_tracebacks_last() -> None:
+    assert error_line(PARKED) == "KeyError: 'customer_email'"
+    assert error_line("value is not JSON: unexpected character at 12") == (
+        "value is not JSON: unexpected character at 12"
+    )
+    assert error_line(None) == ""

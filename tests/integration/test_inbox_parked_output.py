@@ -1,0 +1,78 @@
+"""What an operator reads of a parked message, on the real stack: `parked list` (and
+`--by-reason`) show the exception's line, not the last line of its traceback."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+
+from outbox.cli import main
+from outbox.inbox import Inbox, InboxMessage
+from tests.inbox_helpers import consumer_config, prepare_database, produce, running_consumer
+from tests.relay_helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+EXCEPTION_LINE = "KeyError: 'customer_email'"
+
+
+def send_receipt(message: InboxMessage, session: Any) -> None:
+    """A handler that fails as handlers do: a key missing from the payload. (Python 3.11
+    writes ``~~~~^^^^`` under the failing expression in the traceback.)"""
+    payload = dict(message.value)
+    payload["email"] = payload["customer_email"]
+
+
+@pytest.fixture
+def inbox_engine(outbox_url: str) -> Iterator[sa.Engine]:
+    engine = prepare_database(outbox_url)
+    yield engine
+    engine.dispose()
+
+
+def parked(engine: sa.Engine) -> list[sa.Row[Any]]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.text("SELECT * FROM inbox_parked ORDER BY id")).all())
+
+
+def cli(outbox_url: str, *args: str) -> str:
+    result = CliRunner().invoke(main, ["inbox", "parked", *args, "--database-url", outbox_url])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def fingerprints(outbox_url: str) -> list[str]:
+    """The FINGERPRINT column of `parked list --by-reason`."""
+    lines = cli(outbox_url, "list", "--by-reason").splitlines()
+    return [line.split()[0] for line in lines if "  handler/KeyError: " in line]
+
+
+def parked_on_first_delivery(
+    inbox_engine: sa.Engine, bootstrap_servers: str, make_topic: Any
+) -> tuple[Inbox, str]:
+    topic = make_topic("receipts")
+    inbox = Inbox(group=f"g-{uuid.uuid4().hex[:8]}")
+    inbox.handler(topic)(send_receipt)
+    produce(bootstrap_servers, topic, [1])
+    return inbox, topic
+
+
+def test_parked_list_shows_the_exception_line_not_the_tracebacks_last(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic: Any
+) -> None:
+    inbox, _ = parked_on_first_delivery(inbox_engine, bootstrap_servers, make_topic)
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=1)
+    with running_consumer(inbox, config):
+        wait_for(lambda: len(parked(inbox_engine)) == 1, 60, "the message to be parked")
+    (row,) = parked(inbox_engine)
+    assert "^^^^" in row.error  # the traceback's last line is a marker line
+    listed = cli(outbox_url, "list")
+    assert listed.splitlines()[0].endswith(f"parked  handler: {EXCEPTION_LINE}"), listed
+    by_reason = cli(outbox_url, "list", "--by-reason")
+    assert f"latest: {EXCEPTION_LINE}\n" in by_reason, by_reason
+    assert "^^^^" not in listed + by_reason
