@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import Generic, TypeVar
 
 from outbox.errors import OutboxError
-from outbox.traceback_text import error_line, split_error
+from outbox.traceback_text import error_line, split_error, without_library_frames
 
 Id = TypeVar("Id")
 
@@ -64,6 +64,13 @@ def normalize(message: str | None) -> str:
     return text[:MAX_PATTERN]
 
 
+def _cause_text(message: str | None) -> str:
+    """What names a cause in ``message``: its text normalized, without the frames of the
+    outbox package's own code in its traceback (one error that the library ran by two ways,
+    a first delivery and an operator's retry, is one cause)."""
+    return normalize(without_library_frames(message or ""))
+
+
 def shown_pattern(message: str | None) -> str:
     """The pattern shown for a cause: ``message``'s summary normalized (its traceback, when
     it has one, counts for the fingerprint but is not shown)."""
@@ -72,7 +79,7 @@ def shown_pattern(message: str | None) -> str:
 
 def fingerprint(kind: str, message: str | None) -> str:
     """The fingerprint of an error of class ``kind`` with text ``message``."""
-    digest = hashlib.sha256(f"{kind}\0{normalize(message)}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{kind}\0{_cause_text(message)}".encode()).hexdigest()
     return digest[:FINGERPRINT_LENGTH]
 
 

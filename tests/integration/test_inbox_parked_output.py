@@ -1,5 +1,6 @@
 """What an operator reads of a parked message, on the real stack: `parked list` (and
-`--by-reason`) show the exception's line, not the last line of its traceback."""
+`--by-reason`) show the exception's line, not the last line of its traceback; a message parked
+again after `parked retry` keeps its fingerprint."""
 
 from __future__ import annotations
 
@@ -76,3 +77,18 @@ def test_parked_list_shows_the_exception_line_not_the_tracebacks_last(
     by_reason = cli(outbox_url, "list", "--by-reason")
     assert f"latest: {EXCEPTION_LINE}\n" in by_reason, by_reason
     assert "^^^^" not in listed + by_reason
+
+
+def test_a_message_parked_again_after_a_retry_keeps_its_fingerprint(
+    inbox_engine: sa.Engine, outbox_url: str, bootstrap_servers: str, make_topic: Any
+) -> None:
+    inbox, _ = parked_on_first_delivery(inbox_engine, bootstrap_servers, make_topic)
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=1)
+    with running_consumer(inbox, config):
+        wait_for(lambda: len(parked(inbox_engine)) == 1, 60, "the message to be parked")
+        first = fingerprints(outbox_url)
+        cli(outbox_url, "retry", "--all")
+        wait_for(lambda: parked(inbox_engine)[0].attempts == 2, 60, "it to be parked again")
+    (row,) = parked(inbox_engine)
+    assert "in apply_requeued" in row.error  # parked again by the retry's way through
+    assert len(first) == 1 and fingerprints(outbox_url) == first

@@ -95,3 +95,25 @@ def test_a_reason_is_picked_by_fingerprint_or_unambiguous_prefix() -> None:
         pick_group(groups, "abc")
     with pytest.raises(OutboxError, match="not a fingerprint"):
         pick_group(groups, "unknown_topic")
+
+
+def test_the_librarys_own_frames_do_not_tell_causes_apart() -> None:
+    def parked(library_frame: str, app_frame: str) -> str:
+        return (
+            "KeyError: 'customer_email'\nTraceback (most recent call last):\n"
+            f'  File "/venv/lib/python3.11/site-packages/outbox/inbox/apply.py", line 9, in '
+            f"{library_frame}\n    await self._call(tx, item)\n"
+            f'  File "/app/handlers.py", line 12, in {app_frame}\n'
+            '    payload["customer_email"]\n    ~~~~~~~^^^^^^^^^^^^^^^^^^'
+        )
+
+    first = parked("_careful", "send_receipt")
+    assert fingerprint("handler/KeyError", first) == fingerprint(
+        "handler/KeyError", parked("apply_requeued", "send_receipt")
+    )
+    # Where the application failed still counts.
+    assert fingerprint("handler/KeyError", first) != fingerprint(
+        "handler/KeyError", parked("_careful", "send_invoice")
+    )
+    (group,) = group_by_reason([FailedRow(1, "orders", "handler/KeyError", first, T0)])
+    assert group.pattern == "KeyError: '<str>'"  # the summary, not the traceback

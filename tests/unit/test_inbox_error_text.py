@@ -1,13 +1,13 @@
 """A handler's error as it is parked: the traceback is cut to keep the whole text within
 MAX_ERROR_TEXT, so that the store's own cut never eats the innermost frame; what a list shows
-of it."""
+of it, and what names its cause."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from outbox.inbox.apply import MAX_ERROR_TEXT, handler_error
-from outbox.traceback_text import error_line
+from outbox.traceback_text import error_line, without_library_frames
 
 
 def deep_error(depth: int) -> BaseException:
@@ -50,3 +50,18 @@ def test_the_error_line_is_the_exceptions_not_the_tracebacks_last() -> None:
         "value is not JSON: unexpected character at 12"
     )
     assert error_line(None) == ""
+
+
+def test_the_librarys_frames_are_left_out_wherever_it_is_installed() -> None:
+    kept = without_library_frames(PARKED)
+    assert "apply_requeued" not in kept and "site-packages/outbox/" not in kept
+    assert kept.startswith("KeyError: 'customer_email'\nTraceback (most recent call last):\n")
+    assert kept.endswith(
+        '  File "/srv/app/billing/handlers.py", line 12, in send_receipt\n'
+        '    payload["email"] = payload["customer_email"]\n'
+        "                       ~~~~~~~^^^^^^^^^^^^^^^^^^"
+    )
+    # An application of its own under a directory called outbox keeps its frames.
+    own = PARKED.replace("/srv/app/billing/", "/srv/outbox/billing/")
+    assert "/srv/outbox/billing/handlers.py" in without_library_frames(own)
+    assert without_library_frames("ValueError: no traceback") == "ValueError: no traceback"
