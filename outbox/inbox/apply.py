@@ -321,6 +321,16 @@ class Applier:
 
     async def _repark(self, tx: Transaction, row: Any, item: Item, error: str) -> None:
         """A retried message failed again: parked again, with a new dead letter."""
+        log.warning(
+            "parked message failed again on retry: parked again",
+            extra={
+                "parked_id": row.id,
+                "message_id": row.message_id,
+                "topic": row.topic,
+                "offset": row.kafka_offset,
+                "error": error,
+            },
+        )
         await tx.run(self.store.repark, row.id, error)
         await self._dead_letter(tx, item, row.reason, error, row.attempts + 1, row.id)
 

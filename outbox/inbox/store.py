@@ -131,11 +131,18 @@ class InboxStore:
         conn.execute(sa.delete(self.parked).where(self.parked.c.id == parked_id))
 
     def repark(self, conn: Any, parked_id: int, error: str) -> None:
+        """A retried message failed again: parked again with its new error, and dated now
+        (``parked_at`` is when it was last parked)."""
         p = self.parked
         conn.execute(
             sa.update(p)
             .where(p.c.id == parked_id)
-            .values(status=PARKED, error=error[:4000], attempts=p.c.attempts + 1)
+            .values(
+                status=PARKED,
+                error=error[:4000],
+                attempts=p.c.attempts + 1,
+                parked_at=sa.func.now(),
+            )
         )
 
     # -- the operator's commands --------------------------------------------------------------

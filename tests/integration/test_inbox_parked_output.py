@@ -1,11 +1,15 @@
 """What an operator reads of a parked message, on the real stack: `parked list` (and
 `--by-reason`) show the exception's line, not the last line of its traceback; a message parked
-again after `parked retry` keeps its fingerprint."""
+again after `parked retry` keeps its fingerprint, says so in the consumer's log and is dated
+anew."""
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC
 from typing import Any
 
 import pytest
@@ -92,3 +96,34 @@ def test_a_message_parked_again_after_a_retry_keeps_its_fingerprint(
     (row,) = parked(inbox_engine)
     assert "in apply_requeued" in row.error  # parked again by the retry's way through
     assert len(first) == 1 and fingerprints(outbox_url) == first
+
+
+def test_a_retry_that_fails_again_is_logged_and_dated_anew(
+    inbox_engine: sa.Engine,
+    outbox_url: str,
+    bootstrap_servers: str,
+    make_topic: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inbox, _ = parked_on_first_delivery(inbox_engine, bootstrap_servers, make_topic)
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=1)
+    with caplog.at_level(logging.INFO, "outbox.inbox"), running_consumer(inbox, config):
+        wait_for(lambda: len(parked(inbox_engine)) == 1, 60, "the message to be parked")
+        (before,) = parked(inbox_engine)
+        time.sleep(1.1)  # a second apart: the listing shows whole seconds
+        caplog.clear()
+        cli(outbox_url, "retry", "--all")
+        wait_for(lambda: parked(inbox_engine)[0].attempts == 2, 60, "it to be parked again")
+    (after,) = parked(inbox_engine)
+    warnings = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.__dict__.get("message_id") == before.message_id
+    ]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "retry" in warnings[0].getMessage()
+    assert str(warnings[0].__dict__["error"]).startswith(EXCEPTION_LINE)
+    assert after.parked_at > before.parked_at
+    by_reason = cli(outbox_url, "list", "--by-reason").splitlines()
+    row = next(line for line in by_reason if "  handler/KeyError: " in line)
+    assert f"  {after.parked_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}  handler/" in row, row
