@@ -264,6 +264,10 @@ class Applier:
     ) -> None:
         if item.failures >= self.max_attempts:  # its last attempt was on the fast way
             error = item.last_error or "handler failed"
+            log.warning(
+                "handler failed on its last attempt: message parked",
+                extra={"topic": item.record.topic, "offset": item.record.offset, "error": error},
+            )
             await self._park(tx, ledger, item, HANDLER_FAILED, error, attempts=item.failures)
             return
         savepoint = await tx.savepoint()

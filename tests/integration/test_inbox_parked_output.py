@@ -127,3 +127,23 @@ def test_a_retry_that_fails_again_is_logged_and_dated_anew(
     by_reason = cli(outbox_url, "list", "--by-reason").splitlines()
     row = next(line for line in by_reason if "  handler/KeyError: " in line)
     assert f"  {after.parked_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}  handler/" in row, row
+
+
+def test_a_message_parked_on_its_only_attempt_is_logged(
+    inbox_engine: sa.Engine,
+    outbox_url: str,
+    bootstrap_servers: str,
+    make_topic: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # max_attempts=1: the one attempt is on the fast way through the batch.
+    inbox, topic = parked_on_first_delivery(inbox_engine, bootstrap_servers, make_topic)
+    config = consumer_config(outbox_url, bootstrap_servers, max_attempts=1)
+    with caplog.at_level(logging.INFO, "outbox.inbox"), running_consumer(inbox, config):
+        wait_for(lambda: len(parked(inbox_engine)) == 1, 60, "the message to be parked")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "handler failed on its last attempt: message parked"
+    ]
+    assert warnings[0].__dict__["topic"] == topic
+    assert str(warnings[0].__dict__["error"]).startswith(EXCEPTION_LINE)
