@@ -23,6 +23,7 @@ if __name__ == "__main__" or early_stop.is_the_outbox_command(sys.argv):
 
 import importlib
 import importlib.util
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -134,7 +135,34 @@ def _installed(module: str) -> bool:
 
 
 class LazyGroup(click.Group):
-    """A group that imports a command's module only when that command runs."""
+    """A group that imports a command's module only when that command runs, and ends every
+    command the same way: an error's line is written last (in the daemons' JSON log format
+    when that is theirs)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from outbox.logs import configured_handler, log_fatal
+
+        before = configured_handler()
+
+        def own_handler() -> Any:
+            # This command's log set-up (a daemon's), not one that an earlier command in the
+            # same process left behind.
+            handler = configured_handler()
+            return None if handler is before else handler
+
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.ClickException as exc:
+            if not log_fatal(own_handler(), exc.format_message(), exc.exit_code):
+                exc.show()
+            ctx.exit(exc.exit_code)
+        except Exception as exc:
+            message = f"unexpected error: {type(exc).__name__}: {exc}"
+            if not log_fatal(own_handler(), message, 1, sys.exc_info()):
+                traceback.print_exc()
+            ctx.exit(1)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         lazy = [name for name, lazy in LAZY_COMMANDS.items() if _installed(lazy.module)]

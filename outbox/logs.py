@@ -11,6 +11,10 @@ in bursts, and a daemon retrying a step logs its retries. :class:`FoldingHandler
 warning or error (and any line of librdkafka's) once per cause per :data:`FOLD_SECONDS`: the
 first at once, the repeats within that time counted, not written, and written as one line
 with their count (``repeated``) when the time ends.
+
+A command that ends on an error says so last (:func:`log_fatal`): what is still folded is
+written first, and in JSON the error itself is a log line too, so that every line a daemon
+writes is JSON.
 """
 
 from __future__ import annotations
@@ -113,9 +117,12 @@ class FoldingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._folds: dict[tuple[str, int, str], _Fold] = {}
         self._sweeper_stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self._finished = False
 
     def emit(self, record: logging.LogRecord) -> None:
         # Called with the handler's lock held (Handler.handle).
+        if self._finished:
+            return
         if getattr(record, "_folded", False) or not self.folds(record):
             super().emit(record)
             return
@@ -151,6 +158,17 @@ class FoldingHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 else:
                     del self._folds[key]
 
+    def finish(self, last: logging.LogRecord | None = None) -> None:
+        """Write the repeats still folded, then ``last`` (if given), then nothing more: the
+        process is ending, and what it says last must be the last line."""
+        with self.lock:  # type: ignore[union-attr]
+            self._sweeper_stop.set()
+            self.flush_folds(everything=True)
+            if last is not None:
+                super().emit(last)
+            self.flush()
+            self._finished = True
+
     def close(self) -> None:
         self._sweeper_stop.set()
         self.flush_folds(everything=True)
@@ -175,6 +193,32 @@ def _repeated(record: logging.LogRecord, count: int, seconds: float) -> logging.
     folded.repeated_within_s = round(seconds, 1)
     folded._folded = True
     return folded
+
+
+def configured_handler() -> FoldingHandler | None:
+    """The handler :func:`configure_logging` put in place, if any."""
+    return next((h for h in logging.getLogger().handlers if isinstance(h, FoldingHandler)), None)
+
+
+def log_fatal(
+    handler: FoldingHandler | None, message: str, exit_code: int, exc_info: Any = None
+) -> bool:
+    """A command's last words, when it configured logging (``handler``, from
+    :func:`configured_handler`; None when it did not): the repeats still folded are written
+    first, then nothing after. In JSON the line itself is written here, as a ``critical``
+    entry with ``exit_code`` (and the traceback of ``exc_info``, if given), and True is
+    returned; in text (or with no handler) False: the caller prints it, as the last line."""
+    if handler is None:
+        return False
+    if not isinstance(handler.formatter, JsonFormatter):
+        handler.finish()
+        return False
+    fields = {"name": "outbox", "levelno": logging.CRITICAL, "levelname": "CRITICAL"}
+    record = logging.makeLogRecord(
+        {**fields, "msg": message, "exc_info": exc_info, "exit_code": exit_code}
+    )
+    handler.finish(record)
+    return True
 
 
 def configure_logging(

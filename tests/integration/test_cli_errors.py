@@ -6,6 +6,7 @@ up to ``--start-timeout``."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -81,7 +82,9 @@ def assert_one_clear_line(result: subprocess.CompletedProcess[str], *expected: s
     assert SECRET not in output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert any(word in lines[0] for word in expected), lines[0]
+    # A daemon logs in JSON when stderr is not a terminal: its last words are a log line.
+    said = json.loads(lines[0])["msg"] if lines[0].startswith("{") else lines[0]
+    assert any(word in said for word in expected), lines[0]
     print(lines[0])  # shown with -s: what an operator reads
 
 
@@ -167,6 +170,19 @@ def test_a_daemon_waits_for_a_refusing_server_until_its_start_timeout(daemon: st
     assert "database not ready" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and SECRET not in result.stderr
     assert "Connection refused" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("daemon", sorted(DAEMONS))
+def test_in_json_every_line_is_json_and_the_fatal_one_comes_last(daemon: str) -> None:
+    url = f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/shop"
+    result = run([*DAEMONS[daemon], "--start-timeout", "3", "--log-format", "json"], url)
+    assert result.returncode != 0, result.stderr
+    entries = [json.loads(line) for line in result.stderr.strip().splitlines()]
+    # The waits, their folded repeats, then the error that ended it, last.
+    assert len(entries) >= 3 and any(entry.get("repeated") for entry in entries), entries
+    assert [entry["level"] for entry in entries].count("critical") == 1, entries
+    assert entries[-1]["level"] == "critical", entries
+    assert "Connection refused" in entries[-1]["msg"] and SECRET not in result.stderr
 
 
 def test_an_embedded_consumer_with_a_wrong_password_stops_at_once(

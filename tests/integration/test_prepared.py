@@ -788,7 +788,7 @@ def test_checkback_refuses_a_table_without_revision_0004(database_url: str) -> N
     migrate.upgrade(database_url, revision="0003_wake_trigger")
     result = subprocess.run(
         [sys.executable, "-m", "outbox.cli", "checkback", "tests.prepared_app:registry",
-         "--database-url", database_url],
+         "--database-url", database_url, "--log-format", "text"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 1

@@ -30,7 +30,14 @@ def run_relay(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 def test_unreachable_database_is_one_clear_line_without_the_password(bootstrap_servers) -> None:  # type: ignore[no-untyped-def]
     url = "postgresql+psycopg://relay:top-secret-pw@127.0.0.1:1/shop"
     result = run_relay(
-        "--database-url", url, "--bootstrap-servers", bootstrap_servers, "--start-timeout", "0"
+        "--database-url",
+        url,
+        "--bootstrap-servers",
+        bootstrap_servers,
+        "--start-timeout",
+        "0",
+        "--log-format",
+        "text",
     )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()

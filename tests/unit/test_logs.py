@@ -10,7 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from outbox.logs import FoldingHandler, JsonFormatter, TextFormatter, configure_logging
+from outbox.logs import (
+    FoldingHandler,
+    JsonFormatter,
+    TextFormatter,
+    configure_logging,
+    configured_handler,
+    log_fatal,
+)
 
 
 class Terminal(io.StringIO):
@@ -140,3 +147,33 @@ def test_every_line_of_librdkafka_is_folded_whatever_its_level() -> None:
         handler.handle(record)
     handler.close()
     assert [entry.get("repeated") for entry in lines(out)] == [None, 49]
+
+
+def test_the_fatal_line_is_json_and_last_with_the_folded_repeats_before_it(
+    restore_root_logger: None,
+) -> None:
+    pipe = io.StringIO()
+    configure_logging("INFO", "json", stream=pipe, fold_seconds=60)
+    log = logging.getLogger("outbox.test")
+    for pause in (0.5, 1.0, 2.0):
+        log.warning("database not ready; trying again in %.1fs", pause)
+    assert log_fatal(configured_handler(), "database error: connection refused", 2)
+    log.warning("a thread that still talks")
+    _, repeats, fatal = lines(pipe)
+    assert repeats["repeated"] == 2
+    assert fatal == {**fatal, "level": "critical", "msg": "database error: connection refused"}
+    assert fatal["exit_code"] == 2
+
+
+def test_in_text_the_caller_writes_the_fatal_line_after_the_folded_repeats(
+    restore_root_logger: None,
+) -> None:
+    pipe = io.StringIO()
+    configure_logging("INFO", "text", stream=pipe, fold_seconds=60)
+    log = logging.getLogger("outbox.test")
+    for _ in range(3):
+        log.warning("database not ready")
+    assert not log_fatal(configured_handler(), "database error: refused", 2)  # click prints it
+    log.warning("a thread that still talks")
+    _, repeats = pipe.getvalue().splitlines()
+    assert "repeated=2" in repeats
