@@ -134,10 +134,16 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module.rpartition(".")[0]) is not None
 
 
+#: The exit status of a command that could not do its work (a server out of reach, a bad
+#: argument, an unexpected error); 1 is left to the checks for what they find
+#: (docs/operations.md, "Exit codes").
+CANNOT_RUN = 2
+
+
 class LazyGroup(click.Group):
     """A group that imports a command's module only when that command runs, and ends every
-    command the same way: an error's line is written last (in the daemons' JSON log format
-    when that is theirs)."""
+    command the same way: an error exits with :data:`CANNOT_RUN`, its line written last (in
+    the daemons' JSON log format when that is theirs)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         from outbox.logs import configured_handler, log_fatal
@@ -155,14 +161,16 @@ class LazyGroup(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except click.ClickException as exc:
-            if not log_fatal(own_handler(), exc.format_message(), exc.exit_code):
+            # 1 is click's for any error: here it is left to the checks' findings.
+            code = CANNOT_RUN if exc.exit_code == 1 else exc.exit_code
+            if not log_fatal(own_handler(), exc.format_message(), code):
                 exc.show()
-            ctx.exit(exc.exit_code)
+            ctx.exit(code)
         except Exception as exc:
             message = f"unexpected error: {type(exc).__name__}: {exc}"
-            if not log_fatal(own_handler(), message, 1, sys.exc_info()):
+            if not log_fatal(own_handler(), message, CANNOT_RUN, sys.exc_info()):
                 traceback.print_exc()
-            ctx.exit(1)
+            ctx.exit(CANNOT_RUN)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         lazy = [name for name, lazy in LAZY_COMMANDS.items() if _installed(lazy.module)]

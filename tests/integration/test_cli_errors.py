@@ -1,6 +1,6 @@
 """Every command that reaches the database, and every daemon, against what waiting cannot fix
 (a wrong password, a missing database or table, a role without rights, a URL of a driver
-outbox does not use): one clear line on stderr, a non-zero exit within seconds, no traceback,
+outbox does not use): one clear line on stderr, exit status 2 within seconds, no traceback,
 no password. A server that refuses connections may still be starting: the daemons wait for it
 up to ``--start-timeout``."""
 
@@ -77,7 +77,7 @@ def assert_fails_fast(
 
 def assert_one_clear_line(result: subprocess.CompletedProcess[str], *expected: str) -> None:
     output = result.stdout + result.stderr
-    assert result.returncode != 0, output
+    assert result.returncode == 2, output  # it could not run (docs/operations.md)
     assert "Traceback" not in output
     assert SECRET not in output
     lines = result.stderr.strip().splitlines()
@@ -165,7 +165,7 @@ def test_a_daemon_waits_for_a_refusing_server_until_its_start_timeout(daemon: st
     started = time.monotonic()
     result = run([*DAEMONS[daemon], "--start-timeout", "3", "--log-format", "text"], url)
     took = time.monotonic() - started
-    assert result.returncode != 0, result.stderr
+    assert result.returncode == 2, result.stderr
     assert took >= 3, f"gave up after {took:.1f}s"
     assert "database not ready" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and SECRET not in result.stderr
@@ -176,13 +176,14 @@ def test_a_daemon_waits_for_a_refusing_server_until_its_start_timeout(daemon: st
 def test_in_json_every_line_is_json_and_the_fatal_one_comes_last(daemon: str) -> None:
     url = f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/shop"
     result = run([*DAEMONS[daemon], "--start-timeout", "3", "--log-format", "json"], url)
-    assert result.returncode != 0, result.stderr
+    assert result.returncode == 2, result.stderr
     entries = [json.loads(line) for line in result.stderr.strip().splitlines()]
     # The waits, their folded repeats, then the error that ended it, last.
     assert len(entries) >= 3 and any(entry.get("repeated") for entry in entries), entries
     assert [entry["level"] for entry in entries].count("critical") == 1, entries
     assert entries[-1]["level"] == "critical", entries
     assert "Connection refused" in entries[-1]["msg"] and SECRET not in result.stderr
+    assert entries[-1]["exit_code"] == 2
 
 
 def test_an_embedded_consumer_with_a_wrong_password_stops_at_once(

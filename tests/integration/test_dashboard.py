@@ -287,7 +287,7 @@ def test_a_prepared_message_is_committed_and_another_rolled_back_only_on_the_ope
     by_hand = CliRunner().invoke(
         main, ["prepared", "rollback", str(dropped), "--database-url", outbox_url]
     )
-    assert by_hand.exit_code == 1 and by_hand.output.startswith("Error: ")
+    assert by_hand.exit_code == 2 and by_hand.output.startswith("Error: ")
     refusal = by_hand.output.removeprefix("Error: ").strip()
     assert "its step may still commit" in refusal
     with running_relay(relay_config(outbox_url, bootstrap_servers)), serving(outbox_url) as base:
@@ -609,7 +609,7 @@ def test_the_command_serves_on_loopback_prints_its_address_and_stops_on_sigterm(
     refused = CliRunner().invoke(
         main, ["dashboard", "--database-url", outbox_url, "--host", "0.0.0.0"]
     )
-    assert refused.exit_code == 1 and "pass --allow-remote" in refused.output
+    assert refused.exit_code == 2 and "pass --allow-remote" in refused.output
     env = {**os.environ, "OUTBOX_DATABASE_URL": outbox_url, "OUTBOX_DASHBOARD_TOKEN": TOKEN}
     command = [sys.executable, "-m", "outbox.cli", "dashboard", "--port", "0"]
     with subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True) as process:

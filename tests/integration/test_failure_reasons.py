@@ -75,7 +75,7 @@ def test_dead_messages_grouped_by_cause_and_one_cause_retried(  # type: ignore[n
         assert row.split()[1] == "3"  # COUNT
 
         # One cause at a time: the timed-out ones go again, the unknown topic's stay dead.
-        assert cli.invoke(main, ["dead", "retry", *base, "--reason", "xyz"]).exit_code == 1
+        assert cli.invoke(main, ["dead", "retry", *base, "--reason", "xyz"]).exit_code == 2
         assert (
             cli.invoke(main, ["dead", "retry", *base, "--reason", unknown, "--all"]).exit_code == 2
         )

@@ -275,14 +275,14 @@ def refusals(outbox_url: str, bootstrap_servers: str) -> None:
     cli = CliRunner()
     base = ["--database-url", outbox_url, "--bootstrap-servers", bootstrap_servers]
     wrong = cli.invoke(main, ["consume", "tests.inbox_app", *base])
-    assert wrong.exit_code == 1 and "is not module:attribute" in wrong.output
+    assert wrong.exit_code == 2 and "is not module:attribute" in wrong.output
     missing = cli.invoke(main, ["consume", "no_such_module_here:inbox", *base])
-    assert missing.exit_code == 1 and "cannot import no_such_module_here" in missing.output
+    assert missing.exit_code == 2 and "cannot import no_such_module_here" in missing.output
     managed = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base, "-X", "group.id=x"])
-    assert managed.exit_code == 1 and "consumer group comes from the Inbox" in managed.output
+    assert managed.exit_code == 2 and "consumer group comes from the Inbox" in managed.output
     # The inbox tables were never installed in this database.
     no_tables = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base])
-    assert no_tables.exit_code == 1, no_tables.output
+    assert no_tables.exit_code == 2, no_tables.output
     assert "run `outbox inbox install`" in no_tables.output
 
 

@@ -198,7 +198,7 @@ def test_the_joined_history_end_to_end(tmp_path: Path, database_url: str) -> Non
         assert f"{head} (head)" in current.output
     assert "recorded in public.alembic_version" in current.output
     upgrade = CliRunner().invoke(main, ["db", "upgrade", "--database-url", database_url])
-    assert upgrade.exit_code == 1
+    assert upgrade.exit_code == 2
     assert "managed by another Alembic history" in upgrade.output
     assert "alembic upgrade heads" in upgrade.output
     assert "Traceback" not in upgrade.output
@@ -223,7 +223,7 @@ def test_a_database_made_by_outbox_db_moves_to_the_joined_history(
 
     run(project, f"alembic stamp {head}")
     both = CliRunner().invoke(main, ["db", "upgrade", "--database-url", database_url])
-    assert both.exit_code == 1
+    assert both.exit_code == 2
     assert "recorded both in public.outbox_alembic_version" in both.output
     engine = sa.create_engine(database_url)
     try:

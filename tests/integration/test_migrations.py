@@ -96,7 +96,7 @@ def test_cli_refuses_a_table_name_that_is_not_a_plain_identifier(
 def test_cli_reports_an_unreachable_database_in_one_line() -> None:
     url = "postgresql+psycopg://app:secret-pw@127.0.0.1:1/nowhere"
     result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.startswith("Error: database error:")
     assert "secret-pw" not in result.output
 
@@ -149,7 +149,7 @@ def test_cli_refuses_to_upgrade_a_table_no_history_records(database_url: str) ->
     finally:
         engine.dispose()
     code, output = db("upgrade", "--database-url", database_url)
-    assert code == 1
+    assert code == 2
     assert "public.outbox exists but no Alembic version table records its revision" in output
     assert "outbox_alembic_version" not in table_names(database_url, "public")
     code, output = db("current", "--database-url", database_url)

@@ -1,6 +1,6 @@
 """The operators' commands (`status`, `topics check`, dead and parked messages by cause)
 against an unreachable server, a wrong password and a role without rights: one clear line on
-stderr, a non-zero exit, no traceback, no password (as tests/integration/test_cli_errors.py
+stderr, exit status 2, no traceback, no password (as tests/integration/test_cli_errors.py
 asks of the others)."""
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def test_the_dashboard_ships_and_names_the_extra_it_needs(installed: Path, built
     # Installed without the extra: one line that says which one.
     url = "postgresql+psycopg://user@127.0.0.1:1/db"
     result = run(installed, "outbox", "dashboard", "--database-url", url)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "pip install 'outbox-kafka[dashboard]'" in result.stderr
 
 

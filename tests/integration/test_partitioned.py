@@ -352,7 +352,7 @@ def test_the_command_refuses_to_reach_into_the_audit_window(url: str) -> None:
     refused = runner.invoke(
         main, ["partitions", "maintain", "--database-url", url, "--older-than", "1h"]
     )
-    assert refused.exit_code == 1 and "refusing" in refused.output
+    assert refused.exit_code == 2 and "refusing" in refused.output
     dry = runner.invoke(
         main, ["partitions", "maintain", "--database-url", url, "--older-than", "7d", "--dry-run"]
     )

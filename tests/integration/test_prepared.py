@@ -768,7 +768,7 @@ def test_outbox_prepared_list_show_commit_and_rollback(engine, outbox_url) -> No
     ]
     # Their steps may still commit: refused, unless the operator says they cannot.
     unsure = CliRunner().invoke(main, ["prepared", "rollback", "--group", "ops", *url])
-    assert unsure.exit_code == 1 and "its step may still commit" in unsure.output
+    assert unsure.exit_code == 2 and "its step may still commit" in unsure.output
     assert status_of(engine, second.message_id) == "prepared"
     forced = cli("prepared", "rollback", "--step-cannot-happen", "--group", "ops")
     assert forced == "rolled back 2 prepared message(s)\n"
@@ -791,7 +791,7 @@ def test_checkback_refuses_a_table_without_revision_0004(database_url: str) -> N
          "--database-url", database_url, "--log-format", "text"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "Error: table public.outbox predates prepared messages (revision 0004_prepared_messages):"
         " run `outbox db upgrade`"

@@ -78,11 +78,11 @@ def test_an_operator_rollback_is_refused_while_the_step_may_still_commit(
         prepared_app.STEPS.record(step, message_id)
         step.execute(sa.text("INSERT INTO orders (id, total) VALUES (800, 1)"))
         plain = cli(outbox_url, "prepared", "rollback", ident)
-        assert plain.exit_code == 1, plain.output
+        assert plain.exit_code == 2, plain.output  # refused: it could not roll back
         assert "its step may still commit" in plain.output
         assert "--checker MODULE:REGISTRY" in plain.output  # what to do
         by_group = cli(outbox_url, "prepared", "rollback", "--group", prepared_app.GROUP)
-        assert by_group.exit_code == 1 and "its step may still commit" in by_group.output
+        assert by_group.exit_code == 2 and "its step may still commit" in by_group.output
         # Through its checker: the step holds the id, so the checker cannot block it.
         checked = operator(
             outbox_url, orders_url, "rollback", "--checker", "tests.prepared_app:registry", ident

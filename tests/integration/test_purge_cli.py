@@ -80,7 +80,7 @@ def test_a_cutoff_the_nightly_audit_still_reads_is_refused(
     rows: sa.Engine, outbox_url: str, age: str
 ) -> None:
     result = purge(outbox_url, "--older-than", age)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.startswith("Error: refusing to purge up to ")
     assert "(the previous UTC day, with 15 minutes of grace)" in result.output
     assert "--ignore-audit-window" in result.output
@@ -126,6 +126,6 @@ def test_purge_and_dead_show_on_a_table_not_upgraded_say_to_upgrade(database_url
         ["dead", "show", str(message_id)],
     ):
         result = CliRunner().invoke(main, [*args, *url])
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 2, result.output
         assert "older than this version of outbox" in result.output
         assert "run `outbox db upgrade`" in result.output

@@ -39,7 +39,7 @@ def test_unreachable_database_is_one_clear_line_without_the_password(bootstrap_s
         "--log-format",
         "text",
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: database error:")
     assert "top-secret-pw" not in result.stderr + result.stdout
@@ -47,7 +47,7 @@ def test_unreachable_database_is_one_clear_line_without_the_password(bootstrap_s
 
 def test_missing_table_and_bad_settings_are_named(database_url, bootstrap_servers) -> None:  # type: ignore[no-untyped-def]
     missing = run_relay("--database-url", database_url, "--bootstrap-servers", bootstrap_servers)
-    assert missing.returncode == 1
+    assert missing.returncode == 2
     assert "outbox db upgrade" in missing.stderr
     bad = run_relay(
         "--database-url",
@@ -57,7 +57,7 @@ def test_missing_table_and_bad_settings_are_named(database_url, bootstrap_server
         "--batch-size",
         "0",
     )
-    assert bad.returncode == 1 and "batch size must be between" in bad.stderr
+    assert bad.returncode == 2 and "batch size must be between" in bad.stderr
     bad_x = run_relay(
         "--database-url", database_url, "--bootstrap-servers", bootstrap_servers, "-X", "acks"
     )
@@ -83,7 +83,7 @@ def test_dead_messages_can_be_listed_shown_retried_and_purged(outbox_url, engine
     shown = cli.invoke(main, ["dead", "show", *base, str(ids[0])])
     assert shown.exit_code == 0 and '{"n":0}' in shown.output
     missing = cli.invoke(main, ["dead", "show", *base, str(uuid.uuid4())])
-    assert missing.exit_code == 1 and "no message" in missing.output
+    assert missing.exit_code == 2 and "no message" in missing.output
     assert cli.invoke(main, ["dead", "retry", *base]).exit_code == 2  # says which ones
     retried = cli.invoke(main, ["dead", "retry", *base, str(ids[0])])
     assert "requeued 1" in retried.output

@@ -62,7 +62,7 @@ def test_a_role_without_the_grants_is_refused_in_one_line(
 ) -> None:  # type: ignore[no-untyped-def]
     url = login_role(*grants, prefix="relay")
     result = run_relay(url, bootstrap_servers)
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "needs SELECT and UPDATE on public.outbox" in lines[0]

@@ -48,7 +48,7 @@ def test_create_describe_and_check_on_the_single_broker(  # type: ignore[no-unty
     )
     base = ["--bootstrap-servers", bootstrap_servers]
     too_many = topics("create", *base, "--replication-factor", "3", orders)
-    assert too_many.exit_code == 1 and "needs 3 brokers, the cluster has 1" in too_many.output
+    assert too_many.exit_code == 2 and "needs 3 brokers, the cluster has 1" in too_many.output
 
     tried = topics("create", *base, "--dry-run", orders)
     assert tried.exit_code == 0 and f"{orders}: would create: 12 partitions" in tried.output
@@ -84,6 +84,18 @@ def test_create_describe_and_check_on_the_single_broker(  # type: ignore[no-unty
     assert f"{absent}  MISSING" in from_table.output
     assert f"check failed: {absent} missing" in from_table.output
     assert f"{orders}  ok" in from_table.output
+
+
+def test_check_tells_a_missing_topic_from_kafka_out_of_reach(bootstrap_servers: str) -> None:
+    absent = unique("absent")
+    missing = topics("check", "--bootstrap-servers", bootstrap_servers, absent)
+    assert missing.exit_code == 1, missing.output  # it looked, and found a problem
+    assert f"check failed: {absent} missing" in missing.output
+    unreachable = topics("check", "--bootstrap-servers", "127.0.0.1:1", absent)
+    assert unreachable.exit_code == 2, unreachable.output  # it could not look
+    assert "cannot reach Kafka" in unreachable.output
+    bad = topics("check", "--bootstrap-servers", bootstrap_servers)
+    assert bad.exit_code == 2 and "no topic to look at" in bad.output
 
 
 @pytest.fixture(scope="module")
