@@ -92,8 +92,8 @@ KAFKA_CALL_LIMIT = 5.0
 class InboxHealth(DatabaseOutage, LoopHealth):
     """What the health endpoints report; the runner updates it. Ready also needs Kafka (once
     the consumer is subscribed; before that, and until the group gives it partitions, it
-    says so rather than blame Kafka). Not alive when the database has been out of reach for
-    ``database_outage_limit`` seconds."""
+    says so rather than blame Kafka) and every subscribed topic to exist. Not alive when the
+    database has been out of reach for ``database_outage_limit`` seconds."""
 
     def __init__(
         self, stale_after: float = 60.0, database_outage_limit: float = DATABASE_OUTAGE_LIMIT
@@ -106,6 +106,8 @@ class InboxHealth(DatabaseOutage, LoopHealth):
         self.subscribed = False
         #: When the blocking Kafka call in progress began (None: none in progress).
         self.kafka_call_since: float | None = None
+        #: Subscribed topics Kafka says do not exist (nothing is read from them).
+        self.missing_topics: set[str] = set()
 
     @property
     def kafka_ok(self) -> bool:
@@ -126,8 +128,10 @@ class InboxHealth(DatabaseOutage, LoopHealth):
         problems = super().ready_problems()
         if not self.subscribed:
             return [*problems, "not subscribed yet"]
+        problems += [f"topic {name} does not exist" for name in sorted(self.missing_topics)]
         if self.kafka_ok:
             return problems
         if self._kafka_ok is None and self.kafka_call_since is None:
-            return [*problems, "joining the consumer group"]
+            # A group that has nothing to give it (its only topics missing) is named above.
+            return problems if self.missing_topics else [*problems, "joining the consumer group"]
         return [*problems, "Kafka out of reach"]

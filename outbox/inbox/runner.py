@@ -56,6 +56,10 @@ log = logging.getLogger("outbox.inbox")
 TP = tuple[str, int]
 
 _BROKER_DOWN = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}
+#: How often a consumer asks Kafka again whether a missing topic exists now, and how long
+#: the question may take (seconds).
+TOPIC_RECHECK_INTERVAL = 15.0
+TOPIC_CHECK_TIMEOUT = 2.0
 #: Seconds a stopping consumer waits for Kafka to take its last offsets and its leaving.
 LEAVE_TIMEOUT = 15.0
 #: Of those, the seconds its last offsets may take (a group between generations refuses
@@ -207,6 +211,7 @@ class InboxRunner(Stoppable):
         next_requeue = time.monotonic()
         next_purge = time.monotonic()
         next_lag = time.monotonic()
+        next_topic_check = time.monotonic() + TOPIC_RECHECK_INTERVAL
         while not self._stop.is_set():
             self.health.tick()
             now = time.monotonic()
@@ -230,6 +235,9 @@ class InboxRunner(Stoppable):
             if now >= next_lag:
                 next_lag = now + 2.0
                 self._update_lag(consumer)
+            if self.health.missing_topics and now >= next_topic_check:
+                next_topic_check = now + TOPIC_RECHECK_INTERVAL
+                self._recheck_missing_topics(consumer)
 
     def _prepare(self, records: Sequence[Any]) -> list[Item]:
         items = []
@@ -238,6 +246,8 @@ class InboxRunner(Stoppable):
             if error is not None:
                 if error.code() in _BROKER_DOWN:
                     self.health.kafka_ok = False
+                elif error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART and record.topic():
+                    self._topic_missing(record.topic())
                 else:
                     log.warning("Kafka error", extra={"error": str(error)})
                 continue
@@ -326,6 +336,7 @@ class InboxRunner(Stoppable):
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.health.kafka_ok = True
         for p in partitions:
+            self.health.missing_topics.discard(p.topic)
             tp = (p.topic, p.partition)
             self._assigned.add(tp)
             self._failures.pop(tp, None)
@@ -366,6 +377,28 @@ class InboxRunner(Stoppable):
         self.metrics.assigned.set(len(self._assigned))
 
     # -- housekeeping -------------------------------------------------------------------------
+
+    def _topic_missing(self, topic: str) -> None:
+        if topic in self.health.missing_topics:
+            return
+        self.health.missing_topics.add(topic)
+        log.warning(
+            f"subscribed topic {topic} does not exist: nothing is read from it until it is "
+            f"created (outbox topics create {topic})",
+            extra={"topic": topic, "group": self.inbox.group},
+        )
+
+    def _recheck_missing_topics(self, consumer: Consumer) -> None:
+        """Whether the topics that were missing exist now: another member of the group may be
+        given all their partitions, so an assignment is not the only sign."""
+        for topic in sorted(self.health.missing_topics):
+            try:
+                found = consumer.list_topics(topic, timeout=TOPIC_CHECK_TIMEOUT).topics.get(topic)
+            except KafkaException:
+                return  # Kafka out of reach: the next turn asks again
+            if found is not None and found.error is None:
+                self.health.missing_topics.discard(topic)
+                log.info(f"subscribed topic {topic} exists now", extra={"topic": topic})
 
     def _update_lag(self, consumer: Consumer) -> None:
         if not self._assigned:
@@ -428,4 +461,6 @@ class InboxRunner(Stoppable):
     def _kafka_error(self, error: KafkaError) -> None:
         if error.code() in _BROKER_DOWN:
             self.health.kafka_ok = False
+        if error.code() == KafkaError._TRANSPORT:
+            return  # librdkafka logs each of these itself (outbox.kafka): one line per cause
         log.warning(f"Kafka client error: {error}")
