@@ -14,19 +14,31 @@ T = TypeVar("T")
 
 
 def load_target(target: str, example: str) -> Any:
-    """The object ``"package.module:attribute"`` names (``attribute`` may be dotted), or None
-    when the module has no such attribute; a malformed target or a module that does not import
-    raises :class:`~outbox.errors.ConfigError` (``example`` shows the form in the message)."""
+    """The object ``"package.module:attribute"`` names (``attribute`` may be dotted). A
+    malformed target, a module that is not there or does not import, or an attribute the
+    module does not have raises :class:`~outbox.errors.ConfigError` naming what is missing
+    (``example`` shows the form in the message)."""
     module_name, sep, attribute = target.partition(":")
     if not sep or not module_name or not attribute:
         raise ConfigError(f"{target!r} is not module:attribute (e.g. {example})")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name}: {exc}") from exc
+        missing = getattr(exc, "name", None)
+        if missing and (module_name == missing or module_name.startswith(f"{missing}.")):
+            raise ConfigError(
+                f"cannot import {module_name}: there is no module {missing} (run from the "
+                "directory that holds it, or add that directory to PYTHONPATH)"
+            ) from None
+        # The module is there; what it imports is not (or fails).
+        raise ConfigError(f"cannot import {module_name}: its own import failed: {exc}") from exc
     found: Any = module
-    for part in attribute.split("."):
-        found = getattr(found, part, None)
+    parts = attribute.split(".")
+    for depth, part in enumerate(parts):
+        if not hasattr(found, part):
+            where = f"{module_name}:{'.'.join(parts[:depth])}" if depth else "module " + module_name
+            raise ConfigError(f"{where} has no attribute {part!r} (from {target})")
+        found = getattr(found, part)
     return found
 
 

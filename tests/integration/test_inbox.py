@@ -278,6 +278,9 @@ def refusals(outbox_url: str, bootstrap_servers: str) -> None:
     assert wrong.exit_code == 2 and "is not module:attribute" in wrong.output
     missing = cli.invoke(main, ["consume", "no_such_module_here:inbox", *base])
     assert missing.exit_code == 2 and "cannot import no_such_module_here" in missing.output
+    typo = cli.invoke(main, ["consume", "tests.inbox_app:inbx", *base])
+    assert typo.exit_code == 2, typo.output
+    assert "module tests.inbox_app has no attribute 'inbx'" in typo.output
     managed = cli.invoke(main, ["consume", "tests.inbox_app:inbox", *base, "-X", "group.id=x"])
     assert managed.exit_code == 2 and "consumer group comes from the Inbox" in managed.output
     # The inbox tables were never installed in this database.
