@@ -31,12 +31,17 @@ class InvalidHeaders(InvalidMessage):
 class SerializationError(InvalidMessage):
     """The serializer could not turn the value into bytes.
 
-    ``path`` says where in the value the trouble is (``value['lines'][2]``), when known.
+    ``path`` says where in the value the trouble is (``value['lines'][2]``), when known;
+    ``paths`` lists every place when there are several (the message names each), the first
+    being ``path``.
     """
 
-    def __init__(self, text: str, *, path: str | None = None) -> None:
+    def __init__(
+        self, text: str, *, path: str | None = None, paths: list[str] | None = None
+    ) -> None:
         super().__init__(text)
         self.path = path
+        self.paths: tuple[str, ...] = tuple(paths or ([] if path is None else [path]))
 
 
 class LossyConversion(SerializationError):

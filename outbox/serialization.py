@@ -15,7 +15,7 @@ import decimal
 import enum
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import orjson
@@ -88,17 +88,19 @@ class JsonSerializer:
             encoded = self._after_refusal(value, exc)
         # orjson writes NaN and infinities as null; only then is the value walked for them.
         if b"null" in encoded:
-            problem = find_problem(value, self._fallback)
-            if isinstance(problem, LossyConversion):
-                raise problem
+            problems = find_problems(value, self._fallback)
+            lossy = [p for p in problems if isinstance(p, LossyConversion)]
+            if lossy:
+                raise refusal(lossy)
         return encoded
 
     def _after_refusal(self, value: Any, exc: Exception) -> bytes:
         """orjson refused ``value``: the error naming where and why, or the bytes when all it
         refused were keys that are ``str`` subclasses (a ``StrEnum``), whose text is the key."""
-        problem = find_problem(value, self._fallback)
-        if problem is not None:
-            raise problem from exc
+        # Raised without orjson's error as its cause: the refusal says all it said, and where.
+        problems = find_problems(value, self._fallback)
+        if problems:
+            raise refusal(problems) from None
         if str(exc) == "Dict key must be str":
             try:
                 return orjson.dumps(
@@ -109,7 +111,7 @@ class JsonSerializer:
         reason = exc.__cause__ if isinstance(exc.__cause__, TypeError) else exc  # ours
         raise SerializationError(
             f"cannot serialize value ({type(value).__name__}) to JSON: {reason}", path=ROOT
-        ) from exc
+        ) from None
 
     def _fallback(self, value: Any) -> Any:
         if isinstance(value, dt.datetime):  # reaches here through OPT_PASSTHROUGH_DATETIME
@@ -157,85 +159,102 @@ ROOT = "value"
 _INT_RANGE = range(-(2**63), 2**64)
 
 
-def find_problem(
+#: The most refusals one error names; the others are counted.
+MAX_PROBLEMS = 20
+
+
+def refusal(problems: Sequence[SerializationError]) -> SerializationError:
+    """One error for every place in a value that JSON cannot hold: the first one's path and
+    message, then each other's (``paths`` lists them all). A :class:`LossyConversion` when
+    every one of them is."""
+    if len(problems) == 1:
+        return problems[0]
+    prefix = "cannot serialize "
+    shown = [str(p).removeprefix(prefix) for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        shown.append(f"and {len(problems) - MAX_PROBLEMS} more")
+    lossy = all(isinstance(p, LossyConversion) for p in problems)
+    kind = LossyConversion if lossy else SerializationError
+    paths = [p.path for p in problems if p.path is not None]
+    return kind(prefix + "; ".join(shown), path=problems[0].path, paths=paths)
+
+
+def find_problems(
     value: Any, fallback: Callable[[Any], Any], path: str = ROOT, depth: int = 0
-) -> SerializationError | None:
-    """The first thing in ``value`` that JSON cannot hold as it is, as the error to raise.
+) -> list[SerializationError]:
+    """Everything in ``value`` that JSON cannot hold as it is, as errors, in the order met.
 
     Walks the value as orjson does (dataclass fields not starting with ``_``, enums by their
     value, other types through ``fallback``); called only after orjson refused a value or wrote
     a null, so the fast path stays orjson's.
     """
     if depth > 200:  # a cycle or a value nested deeper than orjson would go
-        return None
+        return []
     if value is None or isinstance(value, bool | uuid.UUID | orjson.Fragment):
-        return None
+        return []
     if isinstance(value, enum.Enum):
-        return find_problem(value.value, fallback, path, depth + 1)
+        return find_problems(value.value, fallback, path, depth + 1)
     if isinstance(value, str):
         try:
             value.encode()
         except UnicodeEncodeError as exc:
-            return SerializationError(f"cannot serialize {path}: {exc.reason}", path=path)
-        return None
+            return [SerializationError(f"cannot serialize {path}: {exc.reason}", path=path)]
+        return []
     if isinstance(value, int):
         if value in _INT_RANGE:
-            return None
-        return SerializationError(
-            f"cannot serialize {path} = {value}: JSON integers are limited to 64 bits here; "
-            "send it as a str",
-            path=path,
-        )
+            return []
+        text = f"{path} = {value}: JSON integers are limited to 64 bits here; send it as a str"
+        return [SerializationError(f"cannot serialize {text}", path=path)]
     if isinstance(value, float):
         if math.isfinite(value):
-            return None
-        return LossyConversion(
-            f"cannot serialize {path} = {value}: NaN and infinity have no JSON form", path=path
-        )
+            return []
+        text = f"{path} = {value}: NaN and infinity have no JSON form"
+        return [LossyConversion(f"cannot serialize {text}", path=path)]
     if isinstance(value, dict):
-        return _problem_in_dict(value, fallback, path, depth)
+        return _problems_in_dict(value, fallback, path, depth)
     if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            found = find_problem(item, fallback, f"{path}[{index}]", depth + 1)
-            if found:
-                return found
-        return None
+        return [
+            problem
+            for index, item in enumerate(value)
+            for problem in find_problems(item, fallback, f"{path}[{index}]", depth + 1)
+        ]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for item in dataclasses.fields(value):
-            if item.name.startswith("_"):  # orjson leaves these out
-                continue
-            found = find_problem(
+        return [
+            problem
+            for item in dataclasses.fields(value)
+            if not item.name.startswith("_")  # orjson leaves these out
+            for problem in find_problems(
                 getattr(value, item.name), fallback, f"{path}.{item.name}", depth + 1
             )
-            if found:
-                return found
-        return None
+        ]
     try:
         converted = fallback(value)
     except _WouldLose as exc:
-        return LossyConversion(f"cannot serialize {path}: {exc}", path=path)
+        return [LossyConversion(f"cannot serialize {path}: {exc}", path=path)]
     except (TypeError, ValueError) as exc:
-        return SerializationError(f"cannot serialize {path}: {exc}", path=path)
+        return [SerializationError(f"cannot serialize {path}: {exc}", path=path)]
     if converted is value:
-        return None
-    return find_problem(converted, fallback, path, depth + 1)
+        return []
+    return find_problems(converted, fallback, path, depth + 1)
 
 
-def _problem_in_dict(
+def _problems_in_dict(
     value: dict[Any, Any], fallback: Callable[[Any], Any], path: str, depth: int
-) -> SerializationError | None:
+) -> list[SerializationError]:
+    problems: list[SerializationError] = []
     for key, item in value.items():
         if not isinstance(key, str):
-            return LossyConversion(
-                f"cannot serialize {path}: its key {key!r} is a {type(key).__name__}, and JSON "
-                f"keys are strings (it would be read back as {str(key)!r}); convert the keys "
-                "to str yourself",
-                path=path,
+            problems.append(
+                LossyConversion(
+                    f"cannot serialize {path}: its key {key!r} is a {type(key).__name__}, and "
+                    f"JSON keys are strings (it would be read back as {str(key)!r}); convert "
+                    "the keys to str yourself",
+                    path=path,
+                )
             )
-        found = find_problem(item, fallback, f"{path}[{key!r}]", depth + 1)
-        if found:
-            return found
-    return None
+            continue
+        problems += find_problems(item, fallback, f"{path}[{key!r}]", depth + 1)
+    return problems
 
 
 def content_type_of(serializer: Serializer, value: Any) -> str | None:

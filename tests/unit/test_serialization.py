@@ -4,6 +4,7 @@ import decimal
 import enum
 import math
 import re
+import traceback
 import uuid
 
 import orjson
@@ -245,3 +246,32 @@ def test_publish_refuses_the_value_before_anything_is_written() -> None:
     with pytest.raises(LossyConversion) as caught:
         encode_message(message, JsonSerializer(), 1_000_000)
     assert caught.value.path == "value['lines'][0]['tags']"
+
+
+def test_every_field_that_fails_is_named_not_only_the_first() -> None:
+    value = {
+        "tags": {"gift"},
+        "lines": [{"price": float("nan")}, {"price": 1.0}],
+        "at": dt.datetime(2026, 1, 2, 3, 4, 5),
+    }
+    with pytest.raises(LossyConversion) as caught:
+        JsonSerializer().serialize(value)
+    assert caught.value.paths == ("value['tags']", "value['lines'][0]['price']", "value['at']")
+    assert caught.value.path == "value['tags']"
+    text = str(caught.value)
+    assert text.startswith("cannot serialize value['tags']: a set has no JSON form")
+    assert "; value['lines'][0]['price'] = nan: NaN" in text and "; value['at']: naive" in text
+    # One that is not lossy among them: the error is the general one, naming them all.
+    with pytest.raises(SerializationError) as mixed:
+        JsonSerializer().serialize({"raw": object(), "tags": {"x"}})
+    assert not isinstance(mixed.value, LossyConversion)
+    assert mixed.value.paths == ("value['raw']", "value['tags']")
+
+
+def test_a_refusal_shows_one_traceback_and_no_private_class() -> None:
+    with pytest.raises(SerializationError) as caught:
+        JsonSerializer().serialize({"tags": {"gift"}, "ratio": float("nan")})
+    shown = "".join(traceback.format_exception(caught.value))
+    assert shown.count("Traceback (most recent call last)") == 1, shown
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    assert not re.search(r"\b_[A-Z]\w*", shown), shown  # no private class (_WouldLose)
