@@ -366,6 +366,12 @@ def purge(
     show_default=True,
     help="Name of the inbox table (parked rows: <name>_parked).",
 )
+@click.option(
+    "--bootstrap-servers",
+    default=None,
+    help="Also read the inbox's consumer groups' lag from these Kafka brokers "
+    "(OUTBOX_KAFKA_<NAME> variables give the client's other settings).",
+)
 def status(
     database_url: str,
     schema: str,
@@ -374,27 +380,41 @@ def status(
     exact: bool,
     inbox_schema: str,
     inbox_table: str,
+    bootstrap_servers: str | None,
 ) -> None:
     """Where every message stands: counts per topic and status, the oldest pending message,
     the relays and the shards each owns, prepared and scheduled messages waiting (overdue
     ones too), parked inbox rows.
 
     Cheap on a large table: pending, prepared and scheduled rows are read through their
-    partial indexes, the other statuses estimated unless --exact is given.
+    partial indexes, the other statuses estimated unless --exact is given. In a consumer's
+    own database (inbox tables, no outbox table): the inbox's groups, parked messages and,
+    with --bootstrap-servers, lag.
     """
     from outbox.queries import Queries
-    from outbox.status import read_status
-    from outbox.status_report import to_json, to_text
+    from outbox.status import InboxStatus, inbox_groups, read_any_status
+    from outbox.status_report import inbox_to_text, to_json, to_text
 
     queries = Queries(table_spec(schema, table))
+    inbox = (inbox_schema, inbox_table)
     with database_engine(database_url) as engine:
-        report = run_db_step(
-            lambda: read_status(engine, queries, exact=exact, inbox=(inbox_schema, inbox_table))
-        )
+        report = run_db_step(lambda: read_any_status(engine, queries, exact=exact, inbox=inbox))
+        groups: list[str] = []
+        if isinstance(report, InboxStatus):
+            groups = report.groups
+        elif bootstrap_servers:  # the inbox tables beside the outbox table, if any
+            groups = run_db_step(lambda: inbox_groups(engine, inbox))
+    if bootstrap_servers:
+        from outbox.inbox.config import kafka_config_from_env
+        from outbox.inbox.lag import read_lag
+
+        kafka = {**kafka_config_from_env(), "bootstrap.servers": bootstrap_servers}
+        report.lag = read_lag(kafka, groups)
     if as_json:
         click.echo(to_json(report))
     else:
-        for line in to_text(report):
+        lines = inbox_to_text(report) if isinstance(report, InboxStatus) else to_text(report)
+        for line in lines:
             click.echo(line)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
@@ -27,6 +28,9 @@ from outbox.schema import (
     STATUSES,
 )
 from outbox.wal.slots import SlotState, slot_name, slot_state
+
+if TYPE_CHECKING:
+    from outbox.inbox.lag import GroupLag
 
 #: Statuses counted through a partial index, always exactly.
 INDEXED = (PENDING, PREPARED, SCHEDULED)
@@ -113,6 +117,10 @@ class OutboxStatus:
     #: The WAL source's replication slot, when there is one: who reads it and the WAL it
     #: holds back (see :mod:`outbox.wal`); None for a table read only by the table relay.
     wal_slot: SlotState | None = None
+    #: The inbox's consumer groups, when the inbox tables are in this database.
+    inbox_groups: list[str] = field(default_factory=list)
+    #: Their lag, read from Kafka when asked for (None: not asked).
+    lag: list[GroupLag] | None = None
 
     @property
     def overdue(self) -> int:
@@ -123,6 +131,82 @@ class OutboxStatus:
     def oldest_pending_seconds(self) -> float | None:
         ages = [t.oldest_pending_seconds for t in self.topics if t.oldest_pending_seconds]
         return max(ages) if ages else None
+
+
+@dataclass
+class InboxStatus:
+    """A consumer's own database: the inbox tables, and no outbox table (so no dead letters,
+    which go through an outbox table beside the inbox's)."""
+
+    table: str
+    taken_at: datetime
+    #: The outbox table looked for, and not found.
+    outbox_table: str
+    #: The consumer groups that applied or parked a message here.
+    groups: list[str]
+    parked_table: str
+    parked: list[ParkedCount]
+    #: Their lag, read from Kafka when asked for (None: not asked).
+    lag: list[GroupLag] | None = None
+
+
+def read_any_status(
+    engine: sa.Engine,
+    queries: Queries,
+    *,
+    exact: bool = False,
+    inbox: tuple[str, str] = ("public", "inbox"),
+) -> OutboxStatus | InboxStatus:
+    """:func:`read_status`, or, in a database with the inbox tables and no outbox table (a
+    consumer's own), :func:`read_inbox_status`."""
+    with engine.connect() as conn:
+        outbox_found = _exists(conn, queries.spec.qualified_name)
+    if not outbox_found and (inbox_status := read_inbox_status(engine, queries, inbox)):
+        return inbox_status
+    return read_status(engine, queries, exact=exact, inbox=inbox)
+
+
+def read_inbox_status(
+    engine: sa.Engine, queries: Queries, inbox: tuple[str, str]
+) -> InboxStatus | None:
+    """The inbox's state in a database without the outbox table: its groups and parked
+    messages; None when the inbox tables are not there either."""
+    from outbox.inbox.schema import InboxTableSpec
+    from outbox.inbox.store import InboxStore
+
+    store = InboxStore(InboxTableSpec(schema=inbox[0], table=inbox[1]))
+    with engine.begin() as conn:
+        conn.execute(sa.text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+        if store.check(conn) is not None:
+            return None
+        taken_at = conn.execute(sa.text("SELECT now()")).scalar_one()
+        parked_table, parked = read_parked(conn, inbox)
+        groups = store.groups(conn)
+    assert parked_table is not None
+    return InboxStatus(
+        table=store.spec.qualified_name,
+        taken_at=taken_at,
+        outbox_table=queries.spec.qualified_name,
+        groups=groups,
+        parked_table=parked_table,
+        parked=parked,
+    )
+
+
+def inbox_groups(engine: sa.Engine, inbox: tuple[str, str]) -> list[str]:
+    """The consumer groups of the inbox tables ``inbox`` names, if they are in this
+    database."""
+    from outbox.inbox.schema import InboxTableSpec
+    from outbox.inbox.store import InboxStore
+
+    store = InboxStore(InboxTableSpec(schema=inbox[0], table=inbox[1]))
+    with engine.connect() as conn:
+        return [] if store.check(conn) is not None else store.groups(conn)
+
+
+def _exists(conn: sa.Connection, name: str) -> bool:
+    found = conn.execute(sa.text("SELECT to_regclass(:name) IS NOT NULL"), {"name": name})
+    return bool(found.scalar_one())
 
 
 def read_status(
@@ -261,8 +345,7 @@ def read_parked(
 
     spec = InboxTableSpec(schema=inbox[0], table=inbox[1])
     name = f"{spec.schema}.{spec.parked_name}"
-    found = conn.execute(sa.text("SELECT to_regclass(:name) IS NOT NULL"), {"name": name})
-    if not found.scalar_one():
+    if not _exists(conn, name):
         return None, []
     p = spec.parked
     rows = conn.execute(

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import orjson
 
 from outbox.schema import PENDING, PREPARED, SCHEDULED
-from outbox.status import OutboxStatus
+from outbox.status import InboxStatus, OutboxStatus, ParkedCount
 from outbox.wal.slots import SlotState
 
+if TYPE_CHECKING:
+    from outbox.inbox.lag import GroupLag
 
-def to_json(status: OutboxStatus) -> str:
+
+def to_json(status: OutboxStatus | InboxStatus) -> str:
     """The whole status as one JSON object (times in ISO 8601, ages in seconds)."""
     data = dataclasses.asdict(status)
+    if isinstance(status, InboxStatus):
+        data["dead_letters"] = None  # none can be written: no outbox table beside the inbox
+        return orjson.dumps(data, option=orjson.OPT_INDENT_2, default=str).decode()
     data["oldest_pending_seconds"] = status.oldest_pending_seconds
     data["estimates_from"] = (
         None if status.exact else "the planner's statistics (last ANALYZE); --exact counts"
@@ -97,6 +104,47 @@ def _size(value: int | None) -> str:
 
 def _count(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
+
+
+def _parked_lines(table: str, parked: list[ParkedCount]) -> list[str]:
+    lines = [f"parked inbox messages ({table}):"]
+    if not parked:
+        return [*lines, "none"]
+    return lines + _table(
+        ["GROUP", "TOPIC", "STATUS", "COUNT", "OLDEST"],
+        [
+            [p.consumer_group, p.topic, p.status, _count(p.count), age(p.oldest_seconds)]
+            for p in parked
+        ],
+    )
+
+
+def _lag_lines(lag: list[GroupLag] | None) -> list[str]:
+    if lag is None:
+        return ["consumer lag: not asked for (--bootstrap-servers reads it from Kafka)"]
+    if not lag:
+        return ["consumer lag: no consumer group here"]
+    rows = [[g.group, "?" if g.total is None else f"{g.total:,}", g.error or ""] for g in lag]
+    return ["consumer lag (from Kafka):", *_table(["GROUP", "LAG", "ERROR"], rows)]
+
+
+def inbox_to_text(status: InboxStatus) -> list[str]:
+    """A consumer's own database (inbox tables, no outbox table) as lines for a terminal."""
+    taken = status.taken_at.astimezone(UTC) if isinstance(status.taken_at, datetime) else None
+    lines = [
+        f"inbox {status.table} at {taken:%Y-%m-%d %H:%M:%S} UTC (no outbox table "
+        f"{status.outbox_table} in this database)",
+        "",
+        f"consumer groups: {', '.join(status.groups) or 'none yet'}",
+        "",
+        *_parked_lines(status.parked_table, status.parked),
+        "",
+        "dead letters: none (they are written through an outbox table beside the inbox "
+        "tables; this database has none)",
+        "",
+        *_lag_lines(status.lag),
+    ]
+    return lines
 
 
 def to_text(status: OutboxStatus) -> list[str]:
@@ -184,15 +232,7 @@ def to_text(status: OutboxStatus) -> list[str]:
             ],
         )
     if status.inbox_table is not None:
-        lines += ["", f"parked inbox messages ({status.inbox_table}):"]
-        if status.parked:
-            lines += _table(
-                ["GROUP", "TOPIC", "STATUS", "COUNT", "OLDEST"],
-                [
-                    [p.consumer_group, p.topic, p.status, _count(p.count), age(p.oldest_seconds)]
-                    for p in status.parked
-                ],
-            )
-        else:
-            lines.append("none")
+        lines += ["", *_parked_lines(status.inbox_table, status.parked)]
+    if status.lag is not None:
+        lines += ["", *_lag_lines(status.lag)]
     return lines

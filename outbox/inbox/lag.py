@@ -52,9 +52,18 @@ def read_lag(kafka: dict[str, Any], groups: list[str], timeout: float = TIMEOUT)
     admin = AdminClient({"log_level": 0, **kafka})
     found: list[GroupLag] = []
     committed: dict[tuple[str, str, int], int] = {}
+    try:
+        listing = admin.list_consumer_groups(request_timeout=timeout).result(timeout)
+        known = {g.group_id for g in listing.valid}
+    except KafkaException as exc:
+        return [GroupLag(group, error=_reason(exc)) for group in groups]
     for group in groups:
         lag = GroupLag(group)
         found.append(lag)
+        if group not in known:
+            # Kafka knows no such group: it committed nothing. (Asked for its offsets,
+            # librdkafka may crash the process: confluentinc/librdkafka#5040.)
+            continue
         try:
             request = [ConsumerGroupTopicPartitions(group)]
             futures = admin.list_consumer_group_offsets(request, request_timeout=timeout)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 from outbox import Outbox
 from outbox.cli import main
 from outbox.inbox import install
+from outbox.inbox.migrate import uninstall
 from outbox.prepared import PreparedMessages
 from outbox.queries import Queries
 from outbox.schema import OutboxTableSpec
@@ -79,6 +81,9 @@ def test_status_counts_relays_shards_prepared_and_parked(  # type: ignore[no-unt
     assert before["relays"] == [] and before["unowned_shards"] == list(range(16))
     assert [(p["consumer_group"], p["count"]) for p in before["parked"]] == [("billing", 1)]
     assert before["inbox_table"] == "public.inbox_parked"
+    assert before["lag"] is None  # Kafka is not asked unless named
+    with_lag = status(outbox_url, "--bootstrap-servers", bootstrap_servers)
+    assert [(g["group"], g["error"]) for g in with_lag["lag"]] == [("billing", None)]
 
     config = relay_config(outbox_url, bootstrap_servers)
     with running_relay(config), running_relay(config):
@@ -165,3 +170,55 @@ def test_status_reads_a_million_sent_rows_through_the_partial_indexes(engine, ou
     exact_elapsed = time.monotonic() - started
     print(f"outbox status --exact on the same rows: {exact_elapsed * 1000:.0f} ms")
     assert exact["statuses"]["sent"] == {"count": 1_000_000, "estimate": False}
+
+
+def test_status_of_a_consumers_own_database_shows_the_inbox(  # type: ignore[no-untyped-def]
+    database_url, bootstrap_servers, make_topic
+) -> None:
+    from tests import inbox_app
+    from tests.inbox_helpers import (
+        consumer_config,
+        ledger_count,
+        prepare_database,
+        produce,
+        running_consumer,
+    )
+
+    engine = prepare_database(database_url)  # the inbox tables and a ledger, no outbox table
+    try:
+        topic = make_topic("st-inbox")
+        group = f"st-{uuid.uuid4().hex[:8]}"
+        produce(bootstrap_servers, topic, range(3))
+        config = consumer_config(database_url, bootstrap_servers)
+        with running_consumer(inbox_app.make_inbox([topic], group), config):
+            wait_for(lambda: ledger_count(engine) == 3, 60, "the three applied")
+        # Stopped: their offsets committed as it left the group.
+        produce(bootstrap_servers, topic, range(3, 5))  # two the group has not read
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO inbox_parked (consumer_group, topic, kafka_partition,"
+                    " kafka_offset, reason, error) VALUES (:g, :t, 0, 9, 'handler', 'KeyError: x')"
+                ),
+                {"g": group, "t": topic},
+            )
+    finally:
+        engine.dispose()
+    text = CliRunner().invoke(main, ["status", "--database-url", database_url])
+    assert text.exit_code == 0, text.output
+    print(text.output)  # shown with -s: what an operator reads
+    assert text.output.startswith("inbox public.inbox at ")
+    assert "(no outbox table public.outbox in this database)" in text.output
+    assert f"consumer groups: {group}\n" in text.output
+    assert "parked inbox messages (public.inbox_parked):" in text.output
+    assert "dead letters: none" in text.output and "consumer lag: not asked for" in text.output
+    report = status(database_url, "--bootstrap-servers", bootstrap_servers)
+    assert report["groups"] == [group] and report["dead_letters"] is None
+    assert [(p["consumer_group"], p["count"]) for p in report["parked"]] == [(group, 1)]
+    (lag,) = report["lag"]
+    assert lag["group"] == group and lag["error"] is None
+    assert sum(p["end"] - p["committed"] for p in lag["partitions"]) == 2
+    # Neither the outbox table nor the inbox tables: the outbox table is what is missing.
+    uninstall(database_url)
+    missing = CliRunner().invoke(main, ["status", "--database-url", database_url])
+    assert missing.exit_code == 2 and "public.outbox" in missing.output, missing.output
