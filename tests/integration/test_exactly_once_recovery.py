@@ -140,6 +140,7 @@ def test_a_commit_that_never_answers_gives_the_shard_up_and_a_take_over_settles_
     )
     assert sender.take_over([0]) == {}  # (a fresh coordinator may take seconds to load)
     # The commit is tried again every second until the transaction's own timeout (31 s).
+    init_timeout = transactions.INIT_TIMEOUT
     monkeypatch.setattr(transactions, "INIT_TIMEOUT", 1.0)
     batch = records(topic, 10)
     stall.arm(heal_after=None)
@@ -151,7 +152,10 @@ def test_a_commit_that_never_answers_gives_the_shard_up_and_a_take_over_settles_
     assert not untried.acks and sorted(untried.not_attempted) == sorted(r.id for r in batch)
     faulty_kafka.heal()
     # The next owner (here the same sender again) settles the open transaction and learns
-    # from the progress record whether it committed: all of the batch or none of it.
+    # from the progress record whether it committed: all of the batch or none of it. Its
+    # take-over waits as a relay's does: the coordinator may still be ending the stalled
+    # transaction (CONCURRENT_TRANSACTIONS until then).
+    monkeypatch.setattr(transactions, "INIT_TIMEOUT", init_timeout)
     recovered = {ack.id for ack in sender.take_over([0]).get(0, [])}
     assert recovered in (set(), {r.id for r in batch})
     rest = [r for r in batch if r.id not in recovered]
