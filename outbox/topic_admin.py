@@ -151,30 +151,52 @@ class TopicAdmin:
                 states[name] = None
                 continue
             states[name] = _state(name, topic)
-        existing = [name for name, state in states.items() if state is not None]
-        if existing:
-            resources = [ConfigResource("topic", name) for name in existing]
+        configs = self._configs([name for name, state in states.items() if state is not None])
+        for name, entries in configs.items():
+            state = states[name]
+            assert state is not None
+            if entries is None:  # deleted since the metadata above
+                states[name] = None
+                continue
+            state.min_insync_replicas = _int(entries, "min.insync.replicas")
+            state.retention_ms = _int(entries, "retention.ms")
+            state.max_message_bytes = _int(entries, "max.message.bytes")
+            if state.min_insync_replicas is not None:
+                state.below_min_insync = [
+                    p
+                    for p, isr in _isr_sizes(metadata.topics[name]).items()
+                    if isr < state.min_insync_replicas
+                ]
+        return states
+
+    def _configs(self, names: list[str]) -> dict[str, Any]:
+        """Each topic's settings; None for one that is gone. A broker that has not yet applied
+        a topic just created answers "unknown topic" for a moment while metadata lists it:
+        that is asked again until :data:`TIMEOUT`."""
+        configs: dict[str, Any] = {}
+        pending = list(names)
+        deadline = time.monotonic() + TIMEOUT
+        while pending:
+            resources = [ConfigResource("topic", name) for name in pending]
+            unknown = []
             for resource, future in self.admin.describe_configs(
                 resources, request_timeout=TIMEOUT
             ).items():
                 try:
-                    entries = future.result(TIMEOUT * 2)
+                    configs[resource.name] = future.result(TIMEOUT * 2)
                 except KafkaException as exc:
-                    raise ConfigError(
-                        f"cannot read topic {resource.name}'s settings: {_reason(exc)}"
-                    ) from exc
-                state = states[resource.name]
-                assert state is not None
-                state.min_insync_replicas = _int(entries, "min.insync.replicas")
-                state.retention_ms = _int(entries, "retention.ms")
-                state.max_message_bytes = _int(entries, "max.message.bytes")
-                if state.min_insync_replicas is not None:
-                    state.below_min_insync = [
-                        p
-                        for p, isr in _isr_sizes(metadata.topics[resource.name]).items()
-                        if isr < state.min_insync_replicas
-                    ]
-        return states
+                    if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                        raise ConfigError(
+                            f"cannot read topic {resource.name}'s settings: {_reason(exc)}"
+                        ) from exc
+                    unknown.append(resource.name)
+            if unknown and time.monotonic() > deadline:
+                configs.update(dict.fromkeys(unknown))
+                break
+            pending = unknown
+            if pending:
+                time.sleep(0.2)
+        return configs
 
 
 def check(
