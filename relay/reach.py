@@ -11,7 +11,8 @@ a shard's last owner, or (while nothing of it waits for Kafka) a broker answerin
   batch sent while the relay was failing (into an outage: after it, a producer still
   reconnecting fails its batch while others' are taken). Else they stay
   pending, and the relay sends nothing for a pause (0.5 s doubling to
-  :data:`EVIDENCE_SECONDS`) before it tries again. So no message nears ``dead`` from an
+  :data:`EVIDENCE_SECONDS`, once a try: the batches that fail during a pause are of the
+  failure that began it) before it tries again. So no message nears ``dead`` from an
   outage alone, and once Kafka is back what was pending goes within that pause.
 - **Stalled.** Since the relay has had work that Kafka does not answer (a batch in flight
   with nothing acknowledged since it began, an outage pause, a failed take-over), it is
@@ -111,6 +112,8 @@ class KafkaReach:
             self.failing_since = now
             self._probe_clears = probe_clears
         self._probe_clears = self._probe_clears and probe_clears
+        if now < self.paused_until:
+            return  # another batch of the same failure (every shard's ends at once)
         self._pause = min(EVIDENCE_SECONDS, max(FIRST_PAUSE, 2 * self._pause))
         self.paused_until = now + self._pause
 

@@ -50,3 +50,16 @@ def test_a_take_over_that_worked_ends_the_pause_of_a_relay_back_early() -> None:
     reach.reached(2.0)  # it came back early and took its share over
     assert reach.may_rejoin(3.0, other_members=1, others_serving=1)
     assert pause > 3.0
+
+
+def test_the_batches_of_one_failure_double_the_pause_once() -> None:
+    """Every shard's batch of an outage ends within a few milliseconds: the pause after them
+    is the first one, not one doubled per shard (which made the relay wait the longest pause
+    after Kafka's return)."""
+    reach = KafkaReach()
+    for shard in range(16):
+        reach.failed(100.0 + shard * 0.005, probe_clears=True)
+    assert reach.paused_until == 100.0 + 0.5
+    reach.failed(100.6, probe_clears=True)  # the next try failed too: now it doubles
+    assert reach.paused_until == 100.6 + 1.0
+    assert not reach.may_send(101.5) and reach.may_send(101.6)
