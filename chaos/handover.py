@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +58,22 @@ class ShardWatch:
         self.shard_gaps: list[Gap] = []
         self._opened: float | None = None
         self._shard_opened: dict[int, float] = {}
+        self._looked = False  # at the locks once at least
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shard-watch", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every shard to be owned (a hand-over still under
+        way when the run ends is timed, not cut short); whether they all are."""
+        deadline = time.monotonic() + timeout
+        while self._opened is not None or self._shard_opened or not self._looked:
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(self.interval)
+        return True
 
     def stop(self) -> list[Gap]:
         self._stop.set()
@@ -103,6 +115,7 @@ class ShardWatch:
 
     def _saw(self, owned: frozenset[int]) -> None:
         now = self.clock()
+        self._looked = True
         if len(owned) < SHARD_COUNT and self._opened is None:
             self._opened = now
         elif len(owned) >= SHARD_COUNT and self._opened is not None:

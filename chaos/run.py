@@ -69,6 +69,8 @@ from outbox.relay.config import AT_LEAST_ONCE
 
 #: The longest wait for the relays to send everything once the faults are over.
 DRAIN_TIMEOUT = 300.0
+#: How long after the drain a hand-over still under way may take to give every shard an owner.
+HANDOVER_SETTLE_TIMEOUT = 30.0
 #: The longest wait, after the reconciliation, for the consumers to reach the topics' ends.
 CATCH_UP_TIMEOUT = 180.0
 
@@ -459,6 +461,12 @@ class ChaosRun:
             engine.dispose()
         self._wait_until(self.log.elapsed())  # a last look for relays that died meanwhile
         if self.shard_watch is not None:
+            # A hand-over the last fault began may still be under way once all is sent: it is
+            # timed to its end; shards still ownerless after that wait never closed.
+            if not self.shard_watch.settle(HANDOVER_SETTLE_TIMEOUT):
+                self.log.event(
+                    f"shards still ownerless {HANDOVER_SETTLE_TIMEOUT:.0f} s after the drain"
+                )
             self.shard_watch.stop()  # before the relays let their shards go on purpose
         codes = self.fleet.stop_all()
         self.log.event(f"relays stopped with SIGTERM, exit codes {codes}")

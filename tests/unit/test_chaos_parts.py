@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -839,3 +841,21 @@ def test_a_send_forgotten_with_its_making_pending_is_told_apart_by_its_new_seq()
     found = compare([old], last)
     assert found.sends == {marked_again, made_pending_again}
     assert found.made_pending_again == {made_pending_again}
+
+
+def test_a_hand_over_under_way_when_the_run_ends_is_timed_to_its_end() -> None:
+    """The drain may end while the last fault's hand-over is still going on: the watch waits
+    for it (a gap that closes then is timed), and says so when shards stay ownerless."""
+    ticks = itertools.count()
+    watch = ShardWatch("", lambda: float(next(ticks)), interval=0.01)
+    watch._thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # as if looking
+    watch._thread.start()
+    every = frozenset(range(SHARD_COUNT))
+    assert not watch.settle(0.05)  # no look at the locks yet
+    watch._saw(every - {3})
+    assert not watch.settle(0.05)
+    later = threading.Timer(0.1, watch._saw, args=(every,))
+    later.start()
+    assert watch.settle(5.0)
+    later.join()
+    assert [(g.opened, g.closed) for g in watch.stop()] == [(0.0, 1.0)]
